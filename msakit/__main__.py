@@ -1,0 +1,3 @@
+from msakit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""`MSAAttention`: GQA attention with MiniMax Sparse Attention's index branch.
+
+Data flow of one layer (training):
+
+    hidden ──q/k/v_proj──> q [B,T,Hq,D], k, v [B,T,G,D] ──q/k_norm, partial RoPE──┐
+    hidden.detach() ──index_q/k_proj──> q_idx [B,T,G,Di], k_idx [B,T,Di] ──norm, RoPE──> index_topk
+                                                                             │ block_idx [B,G,T,K]
+    mode "sparse": o = sparse_attention(q, k, v, block_idx)        <────────┘
+    mode "dense":  o = dense causal attention (the warm-up / conversion mode)
+    kl = index_kl_loss(q, k, q_idx, k_idx, block_idx)  (P detached; grads reach the index branch only)
+
+In dense mode the indexer still learns: it selects blocks with its own top-k and the KL is taken
+over those selected tokens, exactly as in sparse mode; only the main branch's output ignores the
+selection.  This is the seed's full-attention warm-up.  The index branch reads `hidden.detach()`
+(the seed's stop-gradient on the indexer's input), and P is detached inside `index_kl_loss`, so
+the KL term never reaches the backbone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from msakit import ops
+from msakit.nn.norm import GemmaRMSNorm
+from msakit.nn.rope import apply_partial_rope, rope_cos_sin
+
+MODES = ("dense", "sparse")
+
+
+@dataclass
+class MSAConfig:
+    """Shape and selection settings of one MSA layer (HF MiniMax-M3 names in comments)."""
+
+    hidden_size: int
+    num_heads: int  # num_attention_heads
+    num_kv_heads: int  # num_key_value_heads (= groups G = index heads)
+    head_dim: int = 128
+    index_dim: int = 128  # sparse_index_dim
+    rotary_dim: int = 64
+    rope_theta: float = 1e7
+    rms_norm_eps: float = 1e-6
+    block_size: int = 128  # sparse_block_size
+    topk: int = 16  # sparse_topk_blocks
+    local_blocks: int = 1  # sparse_local_block
+    init_blocks: int = 0  # sparse_init_block
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "index_dim", "block_size", "topk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if not (0 <= self.rotary_dim <= min(self.head_dim, self.index_dim)) or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim and index_dim")
+        from msakit.ops.index_topk import check_selection
+
+        check_selection(self.block_size, self.topk, self.local_blocks, self.init_blocks)
+
+
+class MSAAttention(nn.Module):
+    """MSA attention layer.  `forward(hidden [B,T,H]) -> (out [B,T,H], kl scalar or None)`.
+
+    Parameter names follow the HF MiniMax-M3 checkpoint (under `self_attn.`): q_proj, k_proj,
+    v_proj, o_proj, q_norm, k_norm, index_q_proj, index_k_proj, index_q_norm, index_k_norm.
+    """
+
+    def __init__(self, cfg: MSAConfig, mode: str = "sparse") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.mode = mode
+        H, Hq, G, D, Di = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_dim
+        self.q_proj = nn.Linear(H, Hq * D, bias=False)
+        self.k_proj = nn.Linear(H, G * D, bias=False)
+        self.v_proj = nn.Linear(H, G * D, bias=False)
+        self.o_proj = nn.Linear(Hq * D, H, bias=False)
+        self.q_norm = GemmaRMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(D, cfg.rms_norm_eps)
+        self.index_q_proj = nn.Linear(H, G * Di, bias=False)
+        self.index_k_proj = nn.Linear(H, Di, bias=False)
+        self.index_q_norm = GemmaRMSNorm(Di, cfg.rms_norm_eps)
+        self.index_k_norm = GemmaRMSNorm(Di, cfg.rms_norm_eps)
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {value!r}")
+        self._mode = value
+
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor | None = None):
+        """hidden [B,T,H] -> q [B,T,Hq,D], k, v [B,T,G,D], q_idx [B,T,G,Di], k_idx [B,T,Di] (normed, RoPE'd)."""
+        if hidden.dim() != 3 or hidden.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"hidden must have shape [B, T, {self.cfg.hidden_size}], got {tuple(hidden.shape)}")
+        c = self.cfg
+        B, T, _ = hidden.shape
+        if positions is None:
+            positions = torch.arange(T, device=hidden.device).unsqueeze(0)
+        elif positions.shape[-1] != T:
+            raise ValueError(f"positions must have T={T} entries in its last dim, got {tuple(positions.shape)}")
+        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta)
+        q = self.q_norm(self.q_proj(hidden).view(B, T, c.num_heads, c.head_dim))
+        k = self.k_norm(self.k_proj(hidden).view(B, T, c.num_kv_heads, c.head_dim))
+        v = self.v_proj(hidden).view(B, T, c.num_kv_heads, c.head_dim)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        h_idx = hidden.detach()  # stop-gradient: the KL never reaches the backbone through the indexer input
+        q_idx = self.index_q_norm(self.index_q_proj(h_idx).view(B, T, c.num_kv_heads, c.index_dim))
+        k_idx = self.index_k_norm(self.index_k_proj(h_idx).view(B, T, 1, c.index_dim))
+        q_idx, k_idx = apply_partial_rope(q_idx, cos, sin), apply_partial_rope(k_idx, cos, sin).squeeze(2)
+        return q, k, v, q_idx, k_idx
+
+    def select(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        with torch.no_grad():
+            return ops.index_topk(
+                q_idx, k_idx, block_size=c.block_size, topk=c.topk, local_blocks=c.local_blocks, init_blocks=c.init_blocks
+            )
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor | None = None, *, compute_kl: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [B,T,H] -> (out [B,T,H], layer KL term (scalar) or None when compute_kl is False)."""
+        c = self.cfg
+        q, k, v, q_idx, k_idx = self.project(hidden, positions)
+        need_sel = self.mode == "sparse" or compute_kl
+        block_idx = self.select(q_idx, k_idx) if need_sel else None
+        if self.mode == "sparse":
+            o = ops.sparse_attention(q, k, v, block_idx, block_size=c.block_size)
+        else:
+            o = ops.dense_attention(q, k, v)
+        kl = None
+        if compute_kl:
+            kl = ops.index_kl_loss(q, k, q_idx, k_idx, block_idx, block_size=c.block_size)
+        B, T = hidden.shape[:2]
+        return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim)), kl
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.index_q_proj, self.index_k_proj):
+            nn.init.normal_(lin.weight, std=std)
+        nn.init.normal_(self.o_proj.weight, std=std / math.sqrt(2))

@@ -1,0 +1,69 @@
+"""Reference meaning of `index_kl_loss` (pure PyTorch).
+
+Over the tokens T_sel(r, i) selected by block_idx[b, r, i] (j <= i; see sparse_attention):
+
+    P(i, j)     = mean_{h in group r} softmax_j(softmax_scale * q_h(i) . k_r(j))     (no gradient)
+    P_idx(i, j) = softmax_j(index_softmax_scale * q_idx(r, i) . k_idx(j))
+    loss        = mean_{b, r, i} KL(P(i, .) || P_idx(i, .))
+
+Gradients reach q_idx and k_idx only.  A row with no selected token contributes 0 (and still
+counts in the mean).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .._gather import chunk_rows, compute_dtype, gather_tokens, masked_softmax_parts, selected_tokens
+
+
+def _chunk(q, k, q_idx, k_idx, bidx, row0: int, block_size: int, scale: float, iscale: float):
+    B, C, Hq, D = q.shape
+    T, G = k.shape[1], k.shape[2]
+    cdt = compute_dtype(q_idx)
+    pos, valid = selected_tokens(bidx, row0, T, block_size)  # [B, G, C, L]
+    with torch.no_grad():
+        kc = gather_tokens(k, pos).to(cdt)
+        qc = q.to(cdt).view(B, C, G, Hq // G, D).permute(0, 2, 1, 3, 4)
+        s = torch.einsum("bgchd,bgcld->bgchl", qc, kc) * scale
+        p, denom, _ = masked_softmax_parts(s, valid.unsqueeze(3))
+        P = (p / denom.clamp_min(torch.finfo(cdt).tiny)).mean(dim=3)  # [B, G, C, L]
+    kic = gather_tokens(k_idx, pos).to(cdt)  # [B, G, C, L, Di]
+    qic = q_idx.to(cdt).permute(0, 2, 1, 3)  # [B, G, C, Di]
+    z = torch.einsum("bgcd,bgcld->bgcl", qic, kic) * iscale
+    z = z.masked_fill(~valid, -1e30)  # finite: an empty row stays NaN-free
+    logq = torch.log_softmax(z, dim=-1)
+    kl = torch.xlogy(P, P) - P * torch.where(valid, logq, torch.zeros_like(logq))
+    return kl.sum()
+
+
+def index_kl_loss_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    block_idx: torch.Tensor,
+    *,
+    block_size: int = 128,
+    softmax_scale: float | None = None,
+    index_softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Scalar KL(P || P_idx) averaged over (b, r, i); layouts as in docs/msa.md."""
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    Di = q_idx.shape[-1]
+    K = block_idx.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    iscale = index_softmax_scale if index_softmax_scale is not None else 1.0 / math.sqrt(Di)
+    L = K * block_size
+    C = chunk_rows(T, B * G * L * (D + Di + Hq // G + 6) * 4)
+    grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
+    total = q_idx.new_zeros((), dtype=compute_dtype(q_idx))
+    for i0 in range(0, T, C):
+        i1 = min(T, i0 + C)
+        args = (q[:, i0:i1], k, q_idx[:, i0:i1], k_idx, block_idx[:, :, i0:i1], i0 + k.shape[1] - T, block_size, scale, iscale)
+        total = total + (checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
+    return total / (B * G * T)
