@@ -1,0 +1,80 @@
+"""Row-by-row Python re-statements of the MSA semantics, written independently of
+msakit/ops/*/reference.py (loops over queries and blocks; no chunking, no gathers), so the
+tests compare two implementations of docs/msa.md rather than one with itself."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def naive_index_topk(q_idx, k_idx, block_size, topk, local_blocks=1, init_blocks=0):
+    B, T, G, _ = q_idx.shape
+    out = torch.full((B, G, T, topk), -1, dtype=torch.int32)
+    for b in range(B):
+        for r in range(G):
+            for i in range(T):
+                own = i // block_size
+                forced = [x for x in range(own - local_blocks + 1, own + 1) if x >= 0]
+                forced += [x for x in range(init_blocks) if x <= own and x not in forced]
+                scores = []
+                for blk in range(own + 1):
+                    if blk in forced:
+                        continue
+                    js = range(blk * block_size, min(i, blk * block_size + block_size - 1) + 1)
+                    m = max(float(q_idx[b, i, r].double() @ k_idx[b, j].double()) for j in js)
+                    scores.append((-m, blk))
+                rest = [blk for _, blk in sorted(scores)]
+                row = (sorted(forced) + rest)[:topk]
+                out[b, r, i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return out
+
+
+def selected_token_set(block_idx_row, i, block_size):
+    toks = set()
+    for blk in set(int(x) for x in block_idx_row if int(x) >= 0):
+        toks.update(j for j in range(blk * block_size, blk * block_size + block_size) if j <= i)
+    return sorted(toks)
+
+
+def naive_sparse_attention(q, k, v, block_idx, block_size, scale=None):
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    o = torch.zeros(B, T, Hq, D, dtype=torch.float64)
+    lse = torch.full((B, Hq, T), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            r = h // (Hq // G)
+            for i in range(T):
+                js = selected_token_set(block_idx[b, r, i], i, block_size)
+                if not js:
+                    continue
+                s = torch.stack([q[b, i, h].double() @ k[b, j, r].double() * scale for j in js])
+                p = torch.softmax(s, 0)
+                o[b, i, h] = sum(p[n] * v[b, j, r].double() for n, j in enumerate(js))
+                lse[b, h, i] = torch.logsumexp(s, 0)
+    return o, lse
+
+
+def naive_index_kl(q, k, q_idx, k_idx, block_idx, block_size, scale=None, iscale=None):
+    B, T, Hq, D = q.shape
+    G, Di = k.shape[2], q_idx.shape[-1]
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    iscale = iscale if iscale is not None else 1.0 / math.sqrt(Di)
+    total = 0.0
+    for b in range(B):
+        for r in range(G):
+            heads = range(r * (Hq // G), (r + 1) * (Hq // G))
+            for i in range(T):
+                js = selected_token_set(block_idx[b, r, i], i, block_size)
+                if not js:
+                    continue
+                P = torch.stack(
+                    [torch.softmax(torch.stack([q[b, i, h].double() @ k[b, j, r].double() * scale for j in js]), 0) for h in heads]
+                ).mean(0)
+                z = torch.stack([q_idx[b, i, r].double() @ k_idx[b, j].double() * iscale for j in js])
+                logq = torch.log_softmax(z, 0)
+                total += float((P * (P.log() - logq)).sum())
+    return total / (B * G * T)
