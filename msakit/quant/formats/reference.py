@@ -20,9 +20,11 @@ Conventions (the same in the kernels, and documented in docs/formats.md):
   exponent arithmetic, no log2) and clamped to the E8M0 range [-127, 127]; an all-zero block
   gets exponent 0 (byte 127) and zero codes.
 * NVFP4: a block whose amax is 0, or whose scale ``amax/6/global_scale`` rounds to E4M3 zero
-  (< 2^-10), gets block scale 0; elements whose decode scale ``block_scale * global_scale``
-  is 0 (this, an fp32 underflow of the product, or ``global_scale == 0``) get magnitude code
-  0 -- no division by zero, no NaN -- and dequantize to (signed) zero.
+  (<= 2^-10), and every block when ``global_scale == 0``, gets block scale 0; elements whose
+  decode scale ``block_scale * global_scale`` is 0 (those blocks, or a float32 underflow of
+  the product) get magnitude code 0 -- no division by zero, no NaN -- and dequantize to
+  (signed) zero.  A scale ``amax/6/global_scale`` above 448 (possible only with a given
+  global scale) saturates to 448.
 * All float arithmetic is float32 with IEEE round-to-nearest-even; divisions are true
   divisions by tensors on the same device (torch turns a division by a Python/CPU scalar on
   CUDA into a multiplication by the reciprocal, which rounds differently).
@@ -210,7 +212,8 @@ def nvfp4_quantize_ref(
     """x [..., K] -> (packed uint8 [..., K/2], block_scales float8_e4m3fn [..., K/16],
     global_scale float32 0-d).
 
-    block_scale = RNE_E4M3_sat(amax_block / 6 / global_scale)  (0 where amax_block == 0)
+    block_scale = RNE_E4M3_sat(amax_block / 6 / global_scale)  (0 where amax_block == 0 or
+                  global_scale == 0)
     code        = RNE_E2M1_sat(x / (block_scale * global_scale))  (magnitude 0 where the
                   float32 product block_scale * global_scale is 0), sign bit from x,
     element 2j in the low nibble of byte j, element 2j+1 in the high nibble."""
@@ -222,7 +225,7 @@ def nvfp4_quantize_ref(
     xb = x.float().reshape(*x.shape[:-1], K // NVFP4_BLOCK, NVFP4_BLOCK)
     amax = xb.abs().amax(dim=-1)
     t = amax / _const(E2M1_MAX, amax) / gs
-    t = torch.where(amax == 0, torch.zeros_like(t), t)  # also keeps 0/0 out when gs == 0
+    t = torch.where((amax == 0) | (gs == 0), torch.zeros_like(t), t)  # no 0/0, no x/0
     bs = e4m3_round(t)  # non-negative float32 on the E4M3 grid
     d = (bs * gs).unsqueeze(-1)  # float32 decode scale of each block
     q = torch.where(d == 0, torch.zeros_like(xb), xb / d)

@@ -62,8 +62,8 @@ def _store_f32(ptr, offs, v, mask, KIND: tl.constexpr):
     if KIND == 1:  # bfloat16, RNE, through an int16 view
         u = v.to(tl.int32, bitcast=True)
         mag = u & 0x7FFFFFFF
-        r = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16  # overflow rounds to inf (0x7F80)
-        r = tl.where(mag > 0x7F800000, 0x7FC0, r)  # NaN stays a quiet NaN
+        mag = tl.where(mag > 0x7F800000, 0x7FC00000, mag)  # any NaN -> the quiet NaN 0x7FC0
+        r = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16  # finite overflow rounds to inf (0x7F80)
         r = r | ((u >> 16) & 0x8000)
         tl.store(ptr + offs, r.to(tl.int16), mask=mask)
     elif KIND == 2:
