@@ -67,12 +67,17 @@ class MSAAttention(nn.Module):
 
     Parameter names follow the HF MiniMax-M3 checkpoint (under `self_attn.`): q_proj, k_proj,
     v_proj, o_proj, q_norm, k_norm, index_q_proj, index_k_proj, index_q_norm, index_k_norm.
+
+    With `index_branch=False` the layer is a plain dense GQA layer (M3's layers 0-2): the index
+    projections are not created, `project` returns None for q_idx and k_idx, the mode stays
+    "dense" and `forward` returns kl None.
     """
 
-    def __init__(self, cfg: MSAConfig, mode: str = "sparse") -> None:
+    def __init__(self, cfg: MSAConfig, mode: str = "sparse", *, index_branch: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.mode = mode
+        self.index_branch = bool(index_branch)
+        self.mode = mode if self.index_branch else "dense"
         H, Hq, G, D, Di = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_dim
         self.q_proj = nn.Linear(H, Hq * D, bias=False)
         self.k_proj = nn.Linear(H, G * D, bias=False)
@@ -80,6 +85,8 @@ class MSAAttention(nn.Module):
         self.o_proj = nn.Linear(Hq * D, H, bias=False)
         self.q_norm = GemmaRMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(D, cfg.rms_norm_eps)
+        if not self.index_branch:
+            return
         self.index_q_proj = nn.Linear(H, G * Di, bias=False)
         self.index_k_proj = nn.Linear(H, Di, bias=False)
         self.index_q_norm = GemmaRMSNorm(Di, cfg.rms_norm_eps)
@@ -93,6 +100,8 @@ class MSAAttention(nn.Module):
     def mode(self, value: str) -> None:
         if value not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {value!r}")
+        if value == "sparse" and not getattr(self, "index_branch", True):
+            raise ValueError("mode 'sparse' needs the index branch; this layer was built with index_branch=False")
         self._mode = value
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor | None = None):
@@ -110,6 +119,8 @@ class MSAAttention(nn.Module):
         k = self.k_norm(self.k_proj(hidden).view(B, T, c.num_kv_heads, c.head_dim))
         v = self.v_proj(hidden).view(B, T, c.num_kv_heads, c.head_dim)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        if not self.index_branch:
+            return q, k, v, None, None
         h_idx = hidden.detach()  # stop-gradient: the KL never reaches the backbone through the indexer input
         q_idx = self.index_q_norm(self.index_q_proj(h_idx).view(B, T, c.num_kv_heads, c.index_dim))
         k_idx = self.index_k_norm(self.index_k_proj(h_idx).view(B, T, 1, c.index_dim))
@@ -129,6 +140,7 @@ class MSAAttention(nn.Module):
         """hidden [B,T,H] -> (out [B,T,H], layer KL term (scalar) or None when compute_kl is False)."""
         c = self.cfg
         q, k, v, q_idx, k_idx = self.project(hidden, positions)
+        compute_kl = compute_kl and self.index_branch
         need_sel = self.mode == "sparse" or compute_kl
         block_idx = self.select(q_idx, k_idx) if need_sel else None
         if self.mode == "sparse":
@@ -142,6 +154,9 @@ class MSAAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim)), kl
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.index_q_proj, self.index_k_proj):
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        if self.index_branch:
+            lins = lins + (self.index_q_proj, self.index_k_proj)
+        for lin in lins:
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.o_proj.weight, std=std / math.sqrt(2))

@@ -1,0 +1,244 @@
+"""Safetensors I/O of `M3ForCausalLM` under the HF MiniMax-M3 tensor names.
+
+Names: ``model.embed_tokens.weight``, ``model.layers.{i}.input_layernorm.weight``,
+``.self_attn.{q,k,v,o}_proj.weight``, ``.self_attn.{q,k}_norm.weight``,
+``.self_attn.index_{q,k}_proj.weight``, ``.self_attn.index_{q,k}_norm.weight``,
+``.post_attention_layernorm.weight``, ``.block_sparse_moe.gate.weight`` (fp32),
+``.block_sparse_moe.e_score_correction_bias`` (fp32), ``.block_sparse_moe.experts.{e}.w1/w3/w2.weight``,
+``.block_sparse_moe.shared_experts.{gate,up,down}_proj.weight``, ``.mlp.{gate,up,down}_proj.weight``,
+``model.norm.weight``, ``lm_head.weight``.
+
+Loading accepts a ``language_model.`` prefix (the VL checkpoint's text tower) and skips the
+vision / projector / MTP tensors of a VL checkpoint; any other missing, unexpected or
+mis-shaped tensor raises ValueError naming a few.  A single ``model.safetensors`` is written up
+to `max_shard_size`, above it ``model-0000k-of-0000n.safetensors`` shards plus
+``model.safetensors.index.json``; both forms are read.  Never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = [
+    "SINGLE_FILE",
+    "INDEX_FILE",
+    "hf_state_items",
+    "save_weights",
+    "load_weights",
+    "weight_files",
+    "save_pretrained",
+    "load_pretrained",
+    "parse_size",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_PREFIXES = ("language_model.",)
+# Tensors of a VL / MTP checkpoint that the text model does not hold: skipped on load.
+_SKIP = re.compile(r"^(vision_tower\.|visual\.|multi_modal_projector\.|patch_merge_mlp\.|mtp\.|model\.mtp\.|"
+                   r"model\.layers\.\d+\.(eh_proj|enorm|hnorm|shared_head)\.)")
+_STACKED = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
+_PER_EXPERT = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB", "500MB", "2GiB"."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 1:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size must be bytes or like '5GB', got {size!r}")
+    unit = (m.group(2) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return max(1, int(float(m.group(1)) * mult))
+
+
+def hf_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the model's weights; stacked experts are split per expert (views)."""
+    for name, t in model.state_dict().items():
+        m = _STACKED.match(name)
+        if m:
+            for e in range(t.shape[0]):
+                yield f"{m['pre']}.{e}.{m['w']}.weight", t[e]
+        else:
+            yield name, t
+
+
+def _shards(items: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += n
+    return shards
+
+
+def save_weights(model: nn.Module, folder: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> list[Path]:
+    """Write the weights as safetensors into `folder`; returns the files written."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    limit = parse_size(max_shard_size)
+    items = list(hf_state_items(model))
+    shards = _shards(items, limit)
+    for old in list(folder.glob("model-*-of-*.safetensors")) + [folder / SINGLE_FILE, folder / INDEX_FILE]:
+        if old.exists():
+            old.unlink()
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    n = len(shards)
+    for k, shard in enumerate(shards, 1):
+        fname = SINGLE_FILE if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
+        # own, contiguous CPU copies: per-expert views of one stacked tensor must not share memory
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in shard}
+        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+        files.append(folder / fname)
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        files.append(folder / INDEX_FILE)
+    return files
+
+
+def weight_files(folder: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """{file path: [tensor names]} of a single-file or sharded safetensors checkpoint."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    out: dict[str, list[str]] = {}
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        for name, fname in wm.items():
+            out.setdefault(str(folder / fname), []).append(name)
+        for f in out:
+            if not Path(f).is_file():
+                raise FileNotFoundError(f"shard listed in {index} not found: {f}")
+        return out
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            out[str(single)] = list(f.keys())
+        return out
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {folder}")
+    for p in files:
+        with safe_open(str(p), framework="pt") as f:
+            out[str(p)] = list(f.keys())
+    return out
+
+
+def _normalise(name: str) -> str | None:
+    """Checkpoint name -> model name, or None for tensors the text model skips."""
+    for pre in _PREFIXES:
+        if name.startswith(pre):
+            name = name[len(pre):]
+            break
+    if _SKIP.match(name):
+        return None
+    return name
+
+
+def _few(names: Iterable[str], n: int = 6) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """Copy a checkpoint's tensors into the model's parameters (dtype converted, in place).
+
+    Raises ValueError listing missing, unexpected or mis-shaped tensors before copying any.
+    """
+    from safetensors import safe_open
+
+    files = weight_files(folder)
+    targets: dict[str, torch.Tensor] = dict(hf_state_items(model))
+    found: dict[str, tuple[str, str]] = {}  # model name -> (file, checkpoint name)
+    unexpected: list[str] = []
+    for fpath, names in files.items():
+        for raw in names:
+            name = _normalise(raw)
+            if name is None:
+                continue
+            if name in targets:
+                found[name] = (fpath, raw)
+            else:
+                unexpected.append(raw)
+    missing = set(targets) - set(found)
+    problems = []
+    if missing:
+        problems.append(f"missing {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_few(unexpected)}")
+    bad_shape = []
+    for fpath, names in files.items():
+        with safe_open(fpath, framework="pt") as f:
+            for raw in names:
+                name = _normalise(raw)
+                if name in targets:
+                    shape = tuple(f.get_slice(raw).get_shape())
+                    if shape != tuple(targets[name].shape):
+                        bad_shape.append(f"{raw} {list(shape)} (model {list(targets[name].shape)})")
+    if bad_shape:
+        problems.append(f"shape mismatch {_few(bad_shape, 4)}")
+    if problems:
+        raise ValueError(f"checkpoint {folder} does not match the model: " + "; ".join(problems))
+    for fpath, names in files.items():
+        with safe_open(fpath, framework="pt") as f:
+            for raw in names:
+                name = _normalise(raw)
+                if name in targets:
+                    targets[name].copy_(f.get_tensor(raw))
+
+
+def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> None:
+    """config.json (with torch_dtype) + weights."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.replace(torch_dtype=str(model.lm_head.weight.dtype).replace("torch.", ""))
+    cfg.save(folder)
+    save_weights(model, folder, max_shard_size=max_shard_size)
+
+
+def load_pretrained(cls: Any, path: str | os.PathLike[str], *, device: Any = None, dtype: torch.dtype | None = None,
+                    mode: str = "sparse") -> Any:
+    """Build on the meta device, materialise on `device` (CPU default) in `dtype` (float32 default;
+    the router stays float32) and load the weights."""
+    from msakit.models.config import M3Config
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder not found: {folder}")
+    cfg = M3Config.from_pretrained(folder)
+    with torch.device("meta"):
+        model = cls(cfg, mode=mode, init=False)
+    if dtype is not None:
+        model.to(dtype)
+    model.to_empty(device=torch.device(device) if device is not None else torch.device("cpu"))
+    load_weights(model, folder)
+    return model

@@ -1,0 +1,525 @@
+"""`M3ForCausalLM`: the MiniMax-M3 text model with MSA attention and an M3 mixture of experts.
+
+    embed_tokens -> L x [ input_layernorm -> self_attn (MSAAttention) -> +residual
+                          -> post_attention_layernorm -> mlp (dense) | block_sparse_moe -> +residual ]
+                 -> norm -> lm_head (untied)
+
+Layers whose `sparse_attention_freq` is 0 are dense GQA layers without an index branch (M3's
+layers 0-2); the others are MSA layers, run in the model's attention mode ("sparse": attend the
+indexer's top-k blocks; "dense": full causal attention while the indexer still learns from its
+KL term, the warm-up / conversion mode).  Module and parameter names are the HF MiniMax-M3 names,
+so `state_dict()` keys are the checkpoint's, except the routed experts, which are stored stacked
+(`block_sparse_moe.experts.w1` [E, I, H]) and saved per expert by `msakit.models.io`.
+
+Packed batches: `cu_seqlens` (int32 [ndocs + 1], B == 1) splits the sequence into documents;
+positions restart per document, attention, selection, KL and the LM loss never cross a document
+boundary (the target of a document's last token, the next document's first token, is ignored).
+Block ids in `attn_inputs` are then relative to each document's start.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from msakit import ops
+from msakit.models.config import M3Config
+from msakit.nn.attention import MODES, MSAAttention, MSAConfig
+from msakit.nn.mlp import SwiGLUMLP
+from msakit.nn.moe import MoE
+from msakit.nn.norm import GemmaRMSNorm
+from msakit.ops.index_topk.reference import index_topk_reference
+from msakit.ops.sparse_attention.reference import sparse_attention_reference
+
+__all__ = [
+    "M3Output",
+    "M3DecoderLayer",
+    "M3Model",
+    "M3ForCausalLM",
+    "msa_attend",
+    "attend_cached",
+    "document_segments",
+    "selection_info",
+    "segment_positions",
+    "lm_loss",
+    "parameter_counts",
+]
+
+
+@dataclass
+class M3Output:
+    """What `M3ForCausalLM.forward` returns (see the API contract in the package docstring)."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    expert_load: torch.Tensor | None = None
+    attn_inputs: list[dict[str, Any]] | None = None
+    hidden_states: list[torch.Tensor] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces (also used by msakit.models.convert's wrapper of HF models)
+# ---------------------------------------------------------------------------------------------
+
+
+def document_segments(cu_seqlens: torch.Tensor | Sequence[int] | None, B: int, T: int) -> list[tuple[int, int]]:
+    """[(start, end)] of the documents of a packed batch ([(0, T)] without cu_seqlens)."""
+    if cu_seqlens is None:
+        return [(0, T)]
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        cu = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        cu = [int(x) for x in cu_seqlens]
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs a packed batch with B == 1, got B={B}")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={T} (one entry per document boundary), got {cu[:8]}"
+                         f"{'...' if len(cu) > 8 else ''}")
+    return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
+
+
+def segment_positions(segments: Sequence[tuple[int, int]], T: int, device: torch.device) -> torch.Tensor:
+    """Positions [1, T] restarting at 0 at each document start."""
+    pos = torch.arange(T, device=device)
+    if len(segments) > 1:
+        starts = torch.zeros(T, dtype=torch.long, device=device)
+        for s, _ in segments:
+            starts[s:] = s
+        pos = pos - starts
+    return pos.unsqueeze(0)
+
+
+def msa_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_idx: torch.Tensor | None,
+    k_idx: torch.Tensor | None,
+    sel: MSAConfig,
+    *,
+    mode: str,
+    compute_kl: bool,
+    need_block_idx: bool = False,
+    segments: Sequence[tuple[int, int]] | None = None,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One layer's attention core on projected tensors (training / full-sequence path).
+
+    q [B,T,Hq,D], k/v [B,T,G,D], q_idx [B,T,G,Di] / k_idx [B,T,Di] (None: a dense layer without an
+    index branch).  Returns (o [B,T,Hq,D], KL term or None, block_idx [B,G,T,K] or None).  The
+    selection is made when the mode is "sparse", the KL is wanted or `need_block_idx`; per
+    document when `segments` has several entries (KL averaged over all query rows).
+    """
+    T = q.shape[1]
+    segments = segments or [(0, T)]
+    has_index = q_idx is not None
+    select = has_index and (mode == "sparse" or compute_kl or need_block_idx)
+    outs, bidxs = [], []
+    kl = None
+    for s, e in segments:
+        whole = (s, e) == (0, T)
+        qs, ks, vs = (q, k, v) if whole else (q[:, s:e], k[:, s:e], v[:, s:e])
+        bi = None
+        if select:
+            qis, kis = (q_idx, k_idx) if whole else (q_idx[:, s:e], k_idx[:, s:e])
+            with torch.no_grad():
+                bi = ops.index_topk(qis, kis, block_size=sel.block_size, topk=sel.topk,
+                                    local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
+            bidxs.append(bi)
+        if mode == "sparse" and bi is not None:
+            o = ops.sparse_attention(qs, ks, vs, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
+        else:
+            o = ops.dense_attention(qs, ks, vs, softmax_scale=softmax_scale)
+        outs.append(o)
+        if compute_kl and bi is not None:
+            term = ops.index_kl_loss(qs, ks, qis, kis, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
+            term = term if whole else term * ((e - s) / T)
+            kl = term if kl is None else kl + term
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    block_idx = None
+    if bidxs:
+        block_idx = bidxs[0] if len(bidxs) == 1 else torch.cat(bidxs, dim=2)
+    return o, kl, block_idx
+
+
+def selection_info(sel: MSAConfig, segments: Sequence[tuple[int, int]] | None) -> dict[str, Any]:
+    """The selection settings stored beside each layer's attn_inputs (block ids are relative to
+    each document's start when the batch was packed: `cu_seqlens` is then given too)."""
+    info: dict[str, Any] = dict(block_size=sel.block_size, topk=sel.topk, local_blocks=sel.local_blocks,
+                                init_blocks=sel.init_blocks)
+    if segments is not None and len(segments) > 1:
+        info["cu_seqlens"] = torch.tensor([0] + [e for _, e in segments], dtype=torch.int32)
+    return info
+
+
+def attend_cached(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_idx: torch.Tensor | None,
+    k_idx: torch.Tensor | None,
+    sel: MSAConfig,
+    *,
+    mode: str,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of the last Tq positions (q [B,Tq,Hq,D]) over all Tk cached keys (k, v [B,Tk,G,D],
+    k_idx [B,Tk,Di]); queries are the last Tq positions of the key sequence.
+
+    Sparse mode selects with the indexer over every cached index key and attends the selected
+    blocks (the reference ops, which take Tq < Tk); dense mode (and layers without an index
+    branch) is SDPA with a bottom-right causal mask.  Tq == Tk (prefill) takes the training path.
+    """
+    Tq, Tk = q.shape[1], k.shape[1]
+    if Tq == Tk:
+        return msa_attend(q, k, v, q_idx, k_idx, sel, mode=mode, compute_kl=False, softmax_scale=softmax_scale)[0]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if mode == "sparse" and q_idx is not None:
+        bi = index_topk_reference(q_idx, k_idx, block_size=sel.block_size, topk=sel.topk,
+                                  local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
+        return sparse_attention_reference(q, k, v, bi, block_size=sel.block_size, softmax_scale=scale)
+    Hq, G = q.shape[2], k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(Hq // G, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(Hq // G, dim=1)
+    rows = torch.arange(Tk - Tq, Tk, device=q.device).view(-1, 1)
+    mask = torch.arange(Tk, device=q.device).view(1, -1) <= rows  # bottom-right causal
+    o = F.scaled_dot_product_attention(qh, kh.to(qh.dtype), vh.to(qh.dtype), attn_mask=mask, scale=scale)
+    return o.transpose(1, 2)
+
+
+def lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    segments: Sequence[tuple[int, int]] | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Mean next-token cross-entropy (float32): logits[:, i] predicts labels[:, i + 1].
+
+    Targets equal to `ignore_index` and targets at document starts (after the first) are skipped.
+    With no target left the loss is 0 (still attached to the graph).
+    """
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
+    tgt = labels[:, 1:]
+    if segments is not None and len(segments) > 1:
+        tgt = tgt.clone()
+        for s, _ in segments[1:]:
+            tgt[:, s - 1] = ignore_index
+    lg = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    tgt = tgt.reshape(-1)
+    total = F.cross_entropy(lg, tgt, ignore_index=ignore_index, reduction="sum")
+    return total / (tgt != ignore_index).sum().clamp_min(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+
+def msa_config(cfg: M3Config) -> MSAConfig:
+    return MSAConfig(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, index_dim=cfg.index_head_dim, rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks,
+        local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
+    )
+
+
+class M3DecoderLayer(nn.Module):
+    """Pre-norm block: attention (MSA or dense GQA) and a dense MLP or an MoE."""
+
+    def __init__(self, cfg: M3Config, layer_idx: int, mode: str = "sparse") -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        H = cfg.hidden_size
+        self.input_layernorm = GemmaRMSNorm(H, cfg.rms_norm_eps)
+        sparse = cfg.is_sparse(layer_idx)
+        self.self_attn = MSAAttention(msa_config(cfg), mode=mode if sparse else "dense", index_branch=sparse)
+        self.post_attention_layernorm = GemmaRMSNorm(H, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe(layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = MoE(
+                H, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
+                shared_intermediate_size=cfg.n_shared_experts * cfg.shared_intermediate_size,
+                routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
+                use_routing_bias=cfg.use_routing_bias, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+            )
+        else:
+            self.mlp = SwiGLUMLP(H, cfg.dense_intermediate_size, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+
+    def _ffn(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            y, load = self.block_sparse_moe(x)
+            return h + y, load
+        return h + self.mlp(x), None
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor | None,
+        segments: Sequence[tuple[int, int]] | None = None,
+        compute_kl: bool = True,
+        want_inputs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[str, Any] | None]:
+        """h [B,T,H] -> (h, KL term or None, expert load [E] or None, attn inputs or None)."""
+        attn = self.self_attn
+        B, T, _ = h.shape
+        q, k, v, q_idx, k_idx = attn.project(self.input_layernorm(h), positions)
+        o, kl, bidx = msa_attend(q, k, v, q_idx, k_idx, attn.cfg, mode=attn.mode, compute_kl=compute_kl,
+                                 need_block_idx=want_inputs, segments=segments)
+        h = h + attn.o_proj(o.reshape(B, T, -1))
+        h, load = self._ffn(h)
+        inputs = None
+        if want_inputs:
+            det = lambda t: None if t is None else t.detach()  # noqa: E731
+            inputs = dict(q=det(q), k=det(k), q_idx=det(q_idx), k_idx=det(k_idx), block_idx=bidx,
+                          **selection_info(attn.cfg, segments))
+        return h, kl, load, inputs
+
+    @torch.no_grad()
+    def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Decode path: append this step's k, v, k_idx to `cache` (layer `layer_idx`) and attend."""
+        attn = self.self_attn
+        B, T, _ = h.shape
+        q, k, v, q_idx, k_idx = attn.project(self.input_layernorm(h), positions)
+        K, V, KI = cache.update(self.layer_idx, k, v, k_idx)
+        o = attend_cached(q, K, V, q_idx, KI, attn.cfg, mode=attn.mode)
+        h = h + attn.o_proj(o.reshape(B, T, -1))
+        return self._ffn(h)[0]
+
+
+class M3Model(nn.Module):
+    """Embeddings, decoder layers, final norm (HF `model.` prefix)."""
+
+    def __init__(self, cfg: M3Config, mode: str = "sparse") -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(M3DecoderLayer(cfg, i, mode) for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class M3ForCausalLM(nn.Module):
+    """The causal LM.  See the package docstring (`msakit.models`) for the interface."""
+
+    def __init__(self, config: M3Config, *, mode: str = "sparse", init: bool = True) -> None:
+        super().__init__()
+        if not isinstance(config, M3Config):
+            raise ValueError(f"config must be an M3Config, got {type(config).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.config = config
+        self.model = M3Model(config, mode)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        self._mode = mode
+        if init:
+            self.reset_parameters()
+
+    # -- structure ---------------------------------------------------------------------------
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def msa_layers(self) -> list[MSAAttention]:
+        """The attention modules that have an index branch."""
+        return [l.self_attn for l in self.model.layers if l.self_attn.index_branch]
+
+    def moe_layers(self) -> list[MoE]:
+        return [l.block_sparse_moe for l in self.model.layers if l.is_moe]
+
+    @property
+    def attention_mode(self) -> str:
+        return self._mode
+
+    def set_attention_mode(self, mode: str) -> None:
+        """"dense" (warm-up: full attention, the indexer still learns) or "sparse", for all MSA layers."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        for attn in self.msa_layers():
+            attn.mode = mode
+        self._mode = mode
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def gradient_checkpointing_enable(self, enabled: bool = True) -> None:
+        """Recompute each decoder layer in backward (activation checkpointing) while training."""
+        self.gradient_checkpointing = bool(enabled)
+
+    # -- init --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, initializer_range) everywhere; residual-output projections (o_proj, down_proj,
+        expert w2) scaled by 1/sqrt(2 * num_layers); Gemma norms 0 (= scale 1); routing bias 0."""
+        std = self.config.initializer_range
+        out_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        nn.init.normal_(self.model.embed_tokens.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.reset_parameters(std)
+            nn.init.normal_(attn.o_proj.weight, std=out_std)
+            if layer.is_moe:
+                layer.block_sparse_moe.reset_parameters(std, out_std)
+            else:
+                layer.mlp.reset_parameters(std, out_std)
+        for m in self.modules():
+            if isinstance(m, GemmaRMSNorm):
+                nn.init.zeros_(m.weight)
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        compute_kl: bool = True,
+        return_attn_inputs: bool = False,
+        output_hidden_states: bool = False,
+    ) -> M3Output:
+        """input_ids [B, T] -> M3Output(logits [B,T,V], loss, kl, expert_load [n_moe, E], ...).
+
+        labels follow HF (== input_ids, shifted inside; -100 ignored).  `output_hidden_states`
+        gives the residual stream: [0] the embeddings, [i + 1] after layer i (before the final norm).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape [B, T], got {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        segments = document_segments(cu_seqlens, B, T)
+        if positions is None and len(segments) > 1:
+            positions = segment_positions(segments, T, input_ids.device)
+        h = self.model.embed_tokens(input_ids)
+        kls: list[torch.Tensor] = []
+        loads: list[torch.Tensor] = []
+        inputs: list[dict[str, Any]] = []
+        hidden = [h] if output_hidden_states else None
+        ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            if ckpt:
+                h, kl, load, inp = checkpoint(layer, h, positions, segments, compute_kl, return_attn_inputs,
+                                              use_reentrant=False)
+            else:
+                h, kl, load, inp = layer(h, positions, segments, compute_kl, return_attn_inputs)
+            if kl is not None:
+                kls.append(kl)
+            if load is not None:
+                loads.append(load)
+            if return_attn_inputs:
+                inputs.append(inp)
+            if hidden is not None:
+                hidden.append(h)
+        logits = self.lm_head(self.model.norm(h))
+        kl_total = torch.stack([x.float() for x in kls]).sum() if kls else torch.zeros((), device=h.device)
+        E = self.config.num_local_experts
+        expert_load = torch.stack(loads) if loads else torch.zeros(0, E, device=h.device)
+        loss = lm_loss(logits, labels, segments) if labels is not None else None
+        return M3Output(logits=logits, loss=loss, kl=kl_total, expert_load=expert_load,
+                        attn_inputs=inputs if return_attn_inputs else None, hidden_states=hidden)
+
+    @torch.no_grad()
+    def forward_cached(self, input_ids: torch.Tensor, cache: Any, *, last_only: bool = True) -> torch.Tensor:
+        """Run the new tokens input_ids [B, Tq] at positions cache.length .. + Tq, appending their
+        keys to `cache` (`msakit.generate.KVCache`).  Returns the logits of the last position
+        [B, V] (or of all new positions [B, Tq, V] with last_only=False)."""
+        B, Tq = input_ids.shape
+        start = cache.length
+        positions = torch.arange(start, start + Tq, device=input_ids.device).unsqueeze(0).expand(B, Tq)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer.forward_cached(h, positions, cache)
+        cache.advance(Tq)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.model.norm(h))
+        return logits[:, -1] if last_only else logits
+
+    # -- routing balance ---------------------------------------------------------------------
+    @torch.no_grad()
+    def update_routing_bias(self, expert_load: torch.Tensor, rate: float = 1e-3) -> None:
+        """Auxiliary-loss-free balancing: per MoE layer, bias += rate * sign(mean_load - load).
+
+        expert_load: [num_moe_layers, E] (e.g. `out.expert_load`, summed over steps/ranks)."""
+        moes = self.moe_layers()
+        if expert_load.dim() != 2 or expert_load.shape[0] != len(moes):
+            raise ValueError(f"expert_load must have shape [{len(moes)}, {self.config.num_local_experts}], "
+                             f"got {tuple(expert_load.shape)}")
+        for moe, load in zip(moes, expert_load):
+            moe.update_bias(load, rate)
+
+    # -- I/O ---------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> None:
+        """config.json + safetensors under the HF MiniMax-M3 names (sharded above max_shard_size)."""
+        from msakit.models.io import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike[str], device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+        *, mode: str = "sparse",
+    ) -> "M3ForCausalLM":
+        """Load config.json + safetensors (single file or sharded; optional `language_model.` prefix)."""
+        from msakit.models.io import load_pretrained
+
+        return load_pretrained(cls, path, device=device, dtype=dtype, mode=mode)
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        streamer: Callable[[torch.Tensor], Any] | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Sample `max_new_tokens` after input_ids [B, T] with a KV cache -> [B, T + n]."""
+        from msakit.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        generator=generator, streamer=streamer, eos_token_id=eos_token_id)
+
+    def parameter_counts(self) -> dict[str, int]:
+        return parameter_counts(self)
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Parameters by `msakit.cost` category: routed experts, MXFP8 group (attention + index
+    branch + shared experts + dense MLPs), embeddings + head, router, norms, router bias, total."""
+    c = dict(routed_experts=0, mxfp8_group=0, embeddings_and_head=0, router=0, norms=0, router_bias=0)
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if ".experts.w" in name:
+            c["routed_experts"] += n
+        elif name.endswith("e_score_correction_bias"):
+            c["router_bias"] += n
+        elif name.endswith("block_sparse_moe.gate.weight"):
+            c["router"] += n
+        elif "embed_tokens" in name or name.startswith("lm_head"):
+            c["embeddings_and_head"] += n
+        elif "norm" in name.rsplit(".", 2)[-2]:
+            c["norms"] += n
+        else:
+            c["mxfp8_group"] += n
+    c["total"] = sum(c.values())
+    return c

@@ -1,0 +1,89 @@
+"""Named `M3Config`s.
+
+- ``tiny``: CPU tests and the demo.  Hidden 128, 4 layers (layer 0 dense MLP, the rest MoE), MSA
+  in every layer, 4 query / 2 KV heads of 32, index dim 32, rotary 16, 8 experts top-2 + 1 shared
+  of width 128, blocks of 32, top-4 blocks, context 1024; vocabulary 4096 unless the tokenizer's
+  size is passed (``M3Config.preset("tiny", vocab_size=tok.vocab_size)``).
+- ``small``: one GPU.  Hidden 512, 8 layers, 8 / 2 heads of 64, index dim 64, rotary 32, 16
+  experts top-4 + 1 shared of width 256, blocks of 64, top-8 blocks, context 8192.
+- ``minimax-m3`` and ``minimax-m3.1-flash``: the reconstructed HF config fixtures, shipped as
+  package data under ``msakit/models/configs/`` (see ../shared/fixtures/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any, Callable
+
+from msakit.models.config import PRESETS, M3Config
+
+__all__ = ["get_preset", "PRESETS", "preset_names"]
+
+
+def _tiny(L: int) -> dict[str, Any]:
+    return dict(
+        vocab_size=4096, hidden_size=128, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0, rotary_dim=16,
+        dense_intermediate_size=256, intermediate_size=128, shared_intermediate_size=128, n_shared_experts=1,
+        num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.0,
+        moe_layer_freq=[0] + [1] * (L - 1), sparse_attention_freq=[1] * L,
+        index_n_heads=2, index_head_dim=32, index_block_size=32, index_topk_blocks=4, index_local_blocks=1,
+        index_init_blocks=0,
+    )
+
+
+def _small(L: int) -> dict[str, Any]:
+    return dict(
+        vocab_size=4096, hidden_size=512, num_hidden_layers=L, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rotary_dim=32,
+        dense_intermediate_size=1536, intermediate_size=256, shared_intermediate_size=256, n_shared_experts=1,
+        num_local_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.0,
+        moe_layer_freq=[0] + [1] * (L - 1), sparse_attention_freq=[1] * L,
+        index_n_heads=2, index_head_dim=64, index_block_size=64, index_topk_blocks=8, index_local_blocks=1,
+        index_init_blocks=0,
+    )
+
+
+_BUILT: dict[str, tuple[Callable[[int], dict[str, Any]], int]] = {"tiny": (_tiny, 4), "small": (_small, 8)}
+_FILES = {"minimax-m3": "minimax-m3.json", "minimax-m3.1-flash": "minimax-m3.1-flash.json"}
+
+
+def preset_names() -> tuple[str, ...]:
+    return PRESETS
+
+
+def fixture_dict(name: str) -> dict[str, Any]:
+    """The packaged HF config.json of a fixture preset, as a dict."""
+    try:
+        text = resources.files("msakit.models").joinpath("configs", _FILES[name]).read_text(encoding="utf-8")
+    except KeyError:
+        raise ValueError(f"unknown fixture preset {name!r}; known: {', '.join(_FILES)}") from None
+    return json.loads(text)
+
+
+def get_preset(name: str, **overrides: Any) -> M3Config:
+    """The preset `name` with `overrides` (M3Config field names) applied."""
+    key = str(name).lower()
+    if key in _BUILT:
+        build, default_layers = _BUILT[key]
+        L = overrides.get("num_hidden_layers", default_layers)
+        if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+            raise ValueError(f"num_hidden_layers must be a positive integer, got {L!r}")
+        base = build(L)
+        if "num_key_value_heads" in overrides and "index_n_heads" not in overrides:
+            base["index_n_heads"] = overrides["num_key_value_heads"]
+        unknown = set(overrides) - set(M3Config.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown M3Config field(s) for preset {name!r}: {sorted(unknown)}")
+        base.update(overrides)
+        return M3Config(**base)
+    if key in _FILES:
+        cfg = M3Config.from_dict(fixture_dict(key))
+        if overrides:
+            unknown = set(overrides) - set(M3Config.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"unknown M3Config field(s) for preset {name!r}: {sorted(unknown)}")
+            cfg = cfg.replace(**overrides)
+        return cfg
+    raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")

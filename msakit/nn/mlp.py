@@ -1,0 +1,48 @@
+"""Dense SwiGLU-OAI MLP (M3's dense layers and shared experts).
+
+M3's `hidden_act` is "swigluoai" for every feed-forward block (dense MLPs, the shared expert and
+the routed experts; transformers' MiniMaxM3VL computes it inline from `swiglu_alpha` and
+`swiglu_limit`).  Gate and up are separate projections (not interleaved):
+
+    gate = clamp(gate, max=limit);  up = clamp(up, -limit, limit)
+    out  = gate * sigmoid(alpha * gate) * (up + 1)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["swiglu_oai", "SwiGLUMLP"]
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """SwiGLU-OAI: clamp(gate, max=limit) * sigmoid(alpha * gate) * (clamp(up, +-limit) + 1)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1.0)
+
+
+class SwiGLUMLP(nn.Module):
+    """`down_proj(swiglu_oai(gate_proj(x), up_proj(x)))`; HF names gate_proj / up_proj / down_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        if hidden_size < 1 or intermediate_size < 1:
+            raise ValueError(f"hidden_size and intermediate_size must be positive, got {hidden_size}, {intermediate_size}")
+        self.alpha = float(alpha)
+        self.limit = float(limit)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit))
+
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        nn.init.normal_(self.gate_proj.weight, std=std)
+        nn.init.normal_(self.up_proj.weight, std=std)
+        nn.init.normal_(self.down_proj.weight, std=std if out_std is None else out_std)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"

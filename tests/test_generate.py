@@ -1,0 +1,124 @@
+"""Cached generation (msakit.generate): equals full recomputation, deterministic under a seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from msakit.generate import KVCache, generate, generate_uncached, sample_next
+from msakit.models import M3Config, M3ForCausalLM
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops on a loaded 2-core machine run ~1000x slower with 2 intra-op threads (spin/yield
+    contention); one thread keeps these tests fast. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def model_for(mode: str, seed: int = 0) -> M3ForCausalLM:
+    # layer 0 dense GQA (SDPA bottom-right path), layer 1 MSA; blocks of 4, top-2: by position 20
+    # a query sees 6 blocks and attends 2 of them in sparse mode
+    cfg = M3Config.preset(
+        "tiny", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, index_head_dim=16, rotary_dim=8, dense_intermediate_size=64, intermediate_size=32,
+        shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, index_block_size=4,
+        index_topk_blocks=2, sparse_attention_freq=[0, 1],
+    )
+    torch.manual_seed(seed)
+    m = M3ForCausalLM(cfg, mode=mode)
+    with torch.no_grad():  # make the index branch and q/k norms non-trivial
+        for p in m.parameters():
+            if p.dim() == 1 and p.requires_grad:
+                p.normal_(0, 0.3)
+    return m.eval()
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_cached_logits_equal_recomputation(mode: str) -> None:
+    model = model_for(mode)
+    prompt = torch.randint(0, 128, (2, 9))
+    toks, logits = generate(model, prompt, 14, temperature=0, return_logits=True)
+    toks2, logits2 = generate_uncached(model, prompt, 14, temperature=0, return_logits=True)
+    assert toks.shape == (2, 23) and torch.equal(toks[:, :9], prompt)
+    assert logits.shape == (2, 14, 128)
+    torch.testing.assert_close(logits, logits2, rtol=1e-4, atol=1e-4)
+    assert torch.equal(toks, toks2)
+    # and each step's logits are those of one full forward over the final sequence
+    full = model(toks[:, :-1], compute_kl=False).logits[:, 8:]
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_decode_differs_from_dense() -> None:
+    prompt = torch.randint(0, 128, (1, 20))
+    _, ls = generate(model_for("sparse"), prompt, 3, temperature=0, return_logits=True)
+    _, ld = generate(model_for("dense"), prompt, 3, temperature=0, return_logits=True)
+    assert (ls - ld).abs().max() > 1e-4
+
+
+def test_deterministic_under_seed_and_streamer() -> None:
+    model = model_for("sparse")
+    prompt = torch.randint(0, 128, (2, 5))
+    seen: list[torch.Tensor] = []
+    a = model.generate(prompt, 10, temperature=1.0, top_k=20, top_p=0.9,
+                       generator=torch.Generator().manual_seed(7), streamer=seen.append)
+    b = model.generate(prompt, 10, temperature=1.0, top_k=20, top_p=0.9, generator=torch.Generator().manual_seed(7))
+    c = model.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert len(seen) == 10 and all(s.shape == (2,) for s in seen)
+    assert torch.equal(torch.stack(seen, 1), a[:, 5:])
+    class Streamer:  # the transformers streamer protocol
+        def __init__(self) -> None:
+            self.got: list[torch.Tensor] = []
+            self.ended = 0
+
+        def put(self, t: torch.Tensor) -> None:
+            self.got.append(t)
+
+        def end(self) -> None:
+            self.ended += 1
+
+    s = Streamer()
+    d = model.generate(prompt[:1], 3, temperature=0, streamer=s)
+    assert s.ended == 1 and torch.equal(torch.stack(s.got, 1), d[:, 5:])
+    greedy = model.generate(prompt, 4, temperature=0)
+    assert torch.equal(greedy, model.generate(prompt, 4, temperature=0))
+
+
+def test_eos_stops_early() -> None:
+    model = model_for("sparse")
+    prompt = torch.randint(0, 128, (1, 5))
+    greedy = model.generate(prompt, 6, temperature=0)
+    eos = int(greedy[0, 7])
+    out = model.generate(prompt, 6, temperature=0, eos_token_id=eos)
+    first = (greedy[0, 5:] == eos).nonzero()[0].item()
+    assert out.shape[1] == 5 + first + 1 and out[0, -1] == eos
+
+
+def test_sample_next_filters() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    assert sample_next(logits, 0).tolist() == [1]
+    assert all(sample_next(logits, 1.0, top_k=1, generator=g).item() == 1 for _ in range(5))
+    assert all(sample_next(logits, 1.0, top_p=0.01, generator=g).item() == 1 for _ in range(5))
+    picks = {sample_next(logits, 1.0, top_k=2, generator=g).item() for _ in range(50)}
+    assert picks == {1, 3}
+    with pytest.raises(ValueError, match="temperature"):
+        sample_next(logits, -1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        sample_next(logits, 1.0, top_p=0.0)
+
+
+def test_cache_overflow_and_training_flag() -> None:
+    cache = KVCache(1, 4)
+    k = torch.zeros(1, 3, 2, 8)
+    cache.update(0, k, k, None)
+    cache.advance(3)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(0, k, k, None)
+    model = model_for("sparse").train()
+    model.generate(torch.randint(0, 128, (1, 3)), 2)
+    assert model.training
