@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_index_qk, check_positive_int
-from .reference import index_topk_reference
+from .._dispatch import use_triton
+from .reference import fp8_scoring_inputs, index_topk_reference, index_topk_varlen_reference
 
-__all__ = ["index_topk", "index_topk_reference"]
+__all__ = ["index_topk", "index_topk_reference", "index_topk_varlen_reference"]
+
+SCORE_DTYPES = (None, "fp8")
 
 
 def check_selection(block_size: int, topk: int, local_blocks: int, init_blocks: int) -> None:
@@ -22,6 +25,62 @@ def check_selection(block_size: int, topk: int, local_blocks: int, init_blocks: 
         )
 
 
+def check_cu_seqlens(cu_seqlens: object, q_idx: torch.Tensor) -> None:
+    """cu_seqlens: int32/int64 [ndocs + 1], 0 first, non-decreasing, total last; q_idx [1, total, G, Di].
+
+    The values are checked only for CPU tensors (a CUDA check would synchronise the host).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with ndocs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.device != q_idx.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q_idx is on {q_idx.device}")
+    if q_idx.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens, q_idx must be packed as [1, total, G, Di], got batch {q_idx.shape[0]}")
+    if cu_seqlens.device.type == "cpu":
+        cu = cu_seqlens.tolist()
+        total = q_idx.shape[1]
+        if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at total={total}, got {cu}")
+
+
+@torch.library.custom_op("msakit::index_topk", mutates_args=())
+def _index_topk_op(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    block_size: int,
+    topk: int,
+    local_blocks: int,
+    init_blocks: int,
+    score_dtype: str,
+    backend: str,
+) -> torch.Tensor:
+    sd = score_dtype or None
+    if use_triton("index_topk", backend, q_idx.device):
+        from .triton import index_topk_triton
+
+        return index_topk_triton(
+            q_idx, k_idx, block_size=block_size, topk=topk, local_blocks=local_blocks,
+            init_blocks=init_blocks, cu_seqlens=cu_seqlens, score_dtype=sd,
+        )
+    if sd == "fp8":
+        q_idx, k_idx = fp8_scoring_inputs(q_idx, k_idx)
+    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+    if cu_seqlens is not None:
+        return index_topk_varlen_reference(q_idx, k_idx, cu_seqlens, **kw)
+    return index_topk_reference(q_idx, k_idx, **kw)
+
+
+@_index_topk_op.register_fake
+def _index_topk_fake(q_idx, k_idx, cu_seqlens, block_size, topk, local_blocks, init_blocks, score_dtype, backend):
+    B, T, G, _ = q_idx.shape
+    return q_idx.new_empty((B, G, T, topk), dtype=torch.int32)
+
+
 def index_topk(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
@@ -30,6 +89,9 @@ def index_topk(
     topk: int = 16,
     local_blocks: int = 1,
     init_blocks: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    score_dtype: str | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Select, for every (batch b, group r, query i), `topk` key blocks.
 
@@ -39,9 +101,22 @@ def index_topk(
     the first `init_blocks` blocks are always selected; the other slots take the valid blocks
     (b <= i // block_size) with the highest M, ties to the lower id.  Valid ids come first,
     then -1 padding when fewer than `topk` blocks are valid.  See docs/msa.md.
+
+    cu_seqlens (int32 [ndocs + 1]): packed documents, q_idx [1, total, G, Di] and k_idx
+    [1, total, Di]; each document is an independent sequence whose block ids count from its
+    first token.  score_dtype: None scores in the inputs' dtype (fp32 accumulation); "fp8"
+    quantizes q_idx and k_idx per row to float8_e4m3fn and ranks q8 . k8 * k_scale (see
+    reference.fp8_scoring_inputs).  backend: "auto" | "triton" | "reference" (ops/_dispatch.py).
+    No gradient (int32 output); registered as the custom op msakit::index_topk so that models
+    using it trace under torch.compile.
     """
     check_index_qk(q_idx, k_idx)
     check_selection(block_size, topk, local_blocks, init_blocks)
-    return index_topk_reference(
-        q_idx, k_idx, block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q_idx)
+    if score_dtype not in SCORE_DTYPES:
+        raise ValueError(f"score_dtype must be one of {SCORE_DTYPES}, got {score_dtype!r}")
+    use_triton("index_topk", backend, q_idx.device)  # validates backend before anything runs
+    return _index_topk_op(
+        q_idx, k_idx, cu_seqlens, block_size, topk, local_blocks, init_blocks, score_dtype or "", backend
     )

@@ -62,3 +62,66 @@ def index_topk_reference(
         ids = ids.masked_fill(vals == float("-inf"), -1)
         out[:, :, i0:i1, :kk] = ids
     return out
+
+
+def index_topk_varlen_reference(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int = 128,
+    topk: int = 16,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+) -> torch.Tensor:
+    """Packed documents: q_idx [1, total, G, Di], k_idx [1, total, Di], cu_seqlens [ndocs + 1].
+
+    Document d holds tokens cu_seqlens[d] .. cu_seqlens[d + 1] - 1 and is an independent
+    sequence: its blocks are counted from its first token and the ids in its rows are relative
+    to that token.  Returns int32 [1, G, total, topk]; tokens outside every document stay -1.
+    """
+    _, total, G, _ = q_idx.shape
+    out = torch.full((1, G, total, topk), -1, dtype=torch.int32, device=q_idx.device)
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            out[:, :, s:e] = index_topk_reference(
+                q_idx[:, s:e], k_idx[:, s:e], block_size=block_size, topk=topk,
+                local_blocks=local_blocks, init_blocks=init_blocks,
+            )
+    return out
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8_rows(x: torch.Tensor, chunk_rows: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) symmetric float8_e4m3fn quantization: x ~= xq.float() * scale[..., None].
+
+    Returns (xq float8_e4m3fn with x's shape, scale float32 with x's shape minus the last dim).
+    All-zero rows get the smallest normal scale (their codes are 0).  Works on chunks of
+    `chunk_rows` rows so the float32 temporaries stay small (q_idx at 1M tokens is 2 GiB in fp32).
+    """
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    xq = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    for r0 in range(0, rows.shape[0], chunk_rows):
+        xf = rows[r0:r0 + chunk_rows].float()
+        s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        xq[r0:r0 + chunk_rows] = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        scale[r0:r0 + chunk_rows] = s.squeeze(-1)
+    return xq.view(x.shape), scale.view(x.shape[:-1])
+
+
+def fp8_scoring_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 (q, k) whose exact scores the FP8 scoring path ranks.
+
+    The kernel scores q8(r, i) . k8(j) * k_scale(j): the per-(token, group) q scale is positive,
+    so it cannot change a row's ranking and is dropped; the per-token k scale varies along the
+    row and is applied to each key.  index_topk_reference on these tensors is the meaning of
+    `score_dtype="fp8"` (up to float32 rounding order).
+    """
+    q8, _ = quantize_fp8_rows(q_idx)
+    k8, ks = quantize_fp8_rows(k_idx)
+    return q8.float(), k8.float() * ks.unsqueeze(-1)

@@ -1,0 +1,300 @@
+"""GPU check and benchmark of the fused Triton `index_topk` (imports on CPU; runs on CUDA).
+
+    from msakit.ops.index_topk.bench import check_and_bench
+    rows = check_and_bench()            # T = 16K .. 1M at the M3 shape, bf16 and fp8 scoring
+
+Correctness on long sequences uses `rows_reference`: the reference's meaning evaluated only for
+a sample of (batch, group, query) rows (row i depends on tokens <= i only), O(rows * T) instead
+of the full reference's O(T^2).  It is tested against `index_topk_reference` on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .reference import fp8_scoring_inputs
+
+M3_SHAPE = dict(G=4, Di=128, block_size=128, topk=16)
+
+# Kernel configurations worth timing on the GPU (check_and_bench(configs=CANDIDATE_CONFIGS)):
+# 128 rows x 8 warps (1 CTA/SM: 244 regs, 129 KiB smem at 3 stages) vs 64 rows x 4 warps
+# (2 CTAs/SM fit: 220 regs x 128 threads, 81 KiB), with and without the tile-level skip.
+CANDIDATE_CONFIGS = [
+    dict(BLOCK_M=128, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, num_warps=8, num_stages=2),
+    dict(BLOCK_M=128, num_warps=8, num_stages=3, SKIP=False),
+    dict(BLOCK_M=64, num_warps=4, num_stages=2),
+    dict(BLOCK_M=64, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, num_warps=4, num_stages=2, SKIP=False),
+]
+
+
+# ----------------------------------------------------------------------------- reference rows
+
+def rows_scores(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    b: torch.Tensor,
+    g: torch.Tensor,
+    i: torch.Tensor,
+    *,
+    block_size: int,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+) -> torch.Tensor:
+    """The reference's ranked block scores M (forced +inf, invalid -inf) for rows (b, g, i).
+
+    b, g, i: int tensors [R].  Returns float32 (float64 for float64 inputs) [R, nblocks].
+    """
+    B, T, G, Di = q_idx.shape
+    dev = q_idx.device
+    cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+    nb = (T + block_size - 1) // block_size
+    b, g, i = b.long().to(dev), g.long().to(dev), i.long().to(dev)
+    R = b.numel()
+    out = torch.empty((R, nb), dtype=cdt, device=dev)
+    chunk = max(1, (1 << 27) // max(1, nb * block_size))
+    cols = torch.arange(nb * block_size, device=dev)
+    blocks = torch.arange(nb, device=dev).view(1, -1)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for r0 in range(0, R, chunk):
+            r1 = min(R, r0 + chunk)
+            bb, gg, ii = b[r0:r1], g[r0:r1], i[r0:r1]
+            q = q_idx[bb, ii, gg].to(cdt)  # [C, Di]
+            s = torch.full((r1 - r0, nb * block_size), float("-inf"), dtype=cdt, device=dev)
+            for bu in torch.unique(bb).tolist():
+                sel = (bb == bu).nonzero().squeeze(1)
+                s[sel, :T] = q[sel] @ k_idx[bu].to(cdt).T
+            s = s.masked_fill(cols.view(1, -1) > ii.view(-1, 1), float("-inf"))
+            M = s.view(r1 - r0, nb, block_size).amax(dim=-1)
+            own = (ii // block_size).view(-1, 1)
+            forced = ((blocks <= own) & (blocks > own - local_blocks)) | ((blocks < init_blocks) & (blocks <= own))
+            M = M.masked_fill(forced, float("inf")).masked_fill(blocks > own, float("-inf"))
+            out[r0:r1] = M
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    return out
+
+
+def select_from_scores(M: torch.Tensor, topk: int) -> torch.Tensor:
+    """Reference selection from ranked scores M [R, nb]: int32 [R, topk], -1 padded."""
+    R, nb = M.shape
+    order = torch.sort(M, dim=-1, descending=True, stable=True)
+    kk = min(topk, nb)
+    ids = order.indices[:, :kk].to(torch.int32).masked_fill(order.values[:, :kk] == float("-inf"), -1)
+    out = torch.full((R, topk), -1, dtype=torch.int32, device=M.device)
+    out[:, :kk] = ids
+    return out
+
+
+def rows_reference(q_idx, k_idx, b, g, i, *, block_size, topk, local_blocks=1, init_blocks=0):
+    """index_topk_reference(q_idx, k_idx)[b, g, i] for the given rows only -> (ids [R, topk], M [R, nb])."""
+    M = rows_scores(q_idx, k_idx, b, g, i, block_size=block_size, local_blocks=local_blocks, init_blocks=init_blocks)
+    return select_from_scores(M, topk), M
+
+
+# ----------------------------------------------------------------------------- agreement
+
+def as_sets(sel: torch.Tensor) -> torch.Tensor:
+    """Rows of a selection [..., topk] as sorted sets: valid ids ascending, then -1 (int64)."""
+    s = sel.long()
+    big = torch.iinfo(torch.int64).max
+    s = torch.where(s < 0, torch.full_like(s, big), s).sort(dim=-1).values
+    return s.masked_fill(s == big, -1)
+
+
+def agreement_rate(sel: torch.Tensor, ref: torch.Tensor, M: torch.Tensor | None = None, rtol: float = 1e-3) -> dict:
+    """Fraction of rows whose selected sets are equal (order ignored).
+
+    sel, ref: [..., topk] selections of the same rows.  With M (the rows' ranked reference
+    scores, [R, nb] for sel/ref flattened to [R, topk]), also `agree_tol`: rows equal, or whose
+    selected scores equal the reference's as sorted multisets within rtol of the row's largest
+    finite |score| (a swap at a near-tie).  Also `recall`: mean |sel & ref| / |ref|.
+    """
+    a = as_sets(sel).reshape(-1, sel.shape[-1])
+    r = as_sets(ref).reshape(-1, ref.shape[-1])
+    eq = (a == r).all(dim=-1)
+    res = {"rows": int(eq.numel()), "agree": float(eq.float().mean()) if eq.numel() else 1.0}
+    # recall of the reference's valid ids
+    inter = ((a.unsqueeze(-1) == r.unsqueeze(-2)) & (r.unsqueeze(-2) >= 0)).any(dim=-1).sum(dim=-1)
+    nref = (r >= 0).sum(dim=-1).clamp(min=1)
+    res["recall"] = float((inter.float() / nref.float()).mean()) if eq.numel() else 1.0
+    if M is not None:
+        Mf = M.float()
+        fin = torch.where(torch.isfinite(Mf), Mf.abs(), torch.zeros_like(Mf))
+        tol = rtol * fin.amax(dim=-1, keepdim=True).clamp(min=1e-6)
+        ninf = torch.full_like(Mf[:, :1], float("-inf"))
+        Mp = torch.cat([Mf, ninf], dim=1)  # index -1 -> the appended -inf
+        va = torch.gather(Mp, 1, torch.where(a < 0, Mf.shape[1], a)).sort(dim=-1, descending=True).values
+        vr = torch.gather(Mp, 1, torch.where(r < 0, Mf.shape[1], r)).sort(dim=-1, descending=True).values
+        same = (va == vr) | ((va - vr).abs() <= tol)
+        ok = eq | same.all(dim=-1)
+        res["agree_tol"] = float(ok.float().mean()) if ok.numel() else 1.0
+    return res
+
+
+def sample_rows(B: int, G: int, T: int, n: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """n (b, g, i) rows: the first and last query of each group plus uniform random ones."""
+    fixed_i = torch.tensor([0, T - 1, min(T - 1, 127), min(T - 1, 128)])
+    fb = torch.zeros(4 * G, dtype=torch.long)
+    fg = torch.arange(G).repeat_interleave(4)
+    fi = fixed_i.repeat(G)
+    m = max(0, n - fb.numel())
+    rb = torch.randint(0, B, (m,), generator=generator)
+    rg = torch.randint(0, G, (m,), generator=generator)
+    ri = torch.randint(0, T, (m,), generator=generator)
+    return torch.cat([fb, rb])[:n], torch.cat([fg, rg])[:n], torch.cat([fi, ri])[:n]
+
+
+# ----------------------------------------------------------------------------- timing
+
+def _time_ms(fn) -> float:
+    """Median milliseconds: triton.testing.do_bench for short calls, 3 timed runs for long ones."""
+    import triton.testing
+
+    fn()  # compile / warm up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = (time.perf_counter() - t0) * 1e3
+    if once < 100.0:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    times = []
+    for _ in range(3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return float(sorted(times)[1])
+
+
+def _peak_extra(fn) -> tuple[int, torch.Tensor]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - base), out
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def check_and_bench(
+    T_list=(16384, 65536, 131072, 262144, 1048576),
+    device="cuda",
+    *,
+    G: int = M3_SHAPE["G"],
+    Di: int = M3_SHAPE["Di"],
+    block_size: int = M3_SHAPE["block_size"],
+    topk: int = M3_SHAPE["topk"],
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+    n_check_rows: int = 256,
+    score_dtypes=("bf16", "fp8"),
+    configs: list[dict] | None = None,
+    seed: int = 0,
+    verbose: bool = True,
+) -> list[dict]:
+    """For each T: correctness on sampled rows, agreement rate, time and TFLOP/s, peak memory.
+
+    One dict per (T, score dtype[, config]) with: T, score_dtype, config, ms (median, whole op:
+    fp8 includes the quantization), kernel_ms (fp8: the kernel alone on pre-quantized inputs),
+    tflops (G*Di*T^2 / time, the causal half of 2*G*Di*T^2), agree / agree_tol / recall vs the
+    reference on n_check_rows rows (fp8: vs the reference on the fp8-rounded inputs, plus
+    agree_vs_bf16_ref / recall_vs_bf16_ref against the unquantized reference), peak_extra_bytes
+    (max_memory_allocated delta during one call, output included) and out_bytes, ok (agree_tol
+    >= 0.999).  `configs` (list of {BLOCK_M, num_warps, num_stages}) sweeps kernel configs.
+    """
+    from . import index_topk
+    from .reference import quantize_fp8_rows
+    from .triton import launch
+
+    dev = torch.device(device)
+    sel_kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+    results = []
+    for T in T_list:
+        gen = torch.Generator().manual_seed(seed + T)
+        q = torch.randn((1, T, G, Di), generator=gen).to(device=dev, dtype=torch.bfloat16)
+        k = torch.randn((1, T, Di), generator=gen).to(device=dev, dtype=torch.bfloat16)
+        b, g, i = sample_rows(1, G, T, n_check_rows, gen)
+        ref_sel, ref_M = rows_reference(q, k, b, g, i, **sel_kw)
+        flops = G * Di * float(T) * float(T)
+        for sd in score_dtypes:
+            fp8 = sd == "fp8"
+            if fp8:
+                qf, kf = fp8_scoring_inputs(q, k)
+                chk_sel, chk_M = rows_reference(qf, kf, b, g, i, **sel_kw)
+                q8, _ = quantize_fp8_rows(q)
+                k8, ks = quantize_fp8_rows(k)
+                del qf, kf
+            else:
+                chk_sel, chk_M = ref_sel, ref_M
+            for cfg in (configs or [None]):
+                row = {"T": T, "score_dtype": sd, "config": cfg, "G": G, "Di": Di, **sel_kw}
+                try:
+                    if cfg is None:
+                        def op():
+                            return index_topk(q, k, score_dtype="fp8" if fp8 else None, backend="triton", **sel_kw)
+                    else:
+                        from .triton import index_topk_triton
+
+                        def op(cfg=cfg):
+                            return index_topk_triton(q, k, score_dtype="fp8" if fp8 else None, config=cfg, **sel_kw)
+                    op()  # compile outside the memory measurement
+                    peak, out = _peak_extra(op)
+                    got = out[b.to(dev), g.to(dev), i.to(dev)]
+                    row.update(agreement_rate(got, chk_sel, chk_M))
+                    if fp8:
+                        vs = agreement_rate(got, ref_sel, ref_M)
+                        row["agree_vs_bf16_ref"] = vs["agree"]
+                        row["recall_vs_bf16_ref"] = vs["recall"]
+                    del out, got
+                    ms = _time_ms(op)
+                    row["ms"] = ms
+                    if fp8:
+                        row["kernel_ms"] = _time_ms(lambda: launch(q8, k8, ks, config=cfg, **sel_kw))
+                    else:
+                        row["kernel_ms"] = ms
+                    row["tflops"] = flops / (ms * 1e-3) / 1e12
+                    row["kernel_tflops"] = flops / (row["kernel_ms"] * 1e-3) / 1e12
+                    row["peak_extra_bytes"] = peak
+                    row["out_bytes"] = G * T * topk * 4
+                    row["ok"] = row.get("agree_tol", 0.0) >= 0.999
+                except Exception as e:  # keep going: report the failure in the row
+                    row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                    row["ok"] = False
+                results.append(row)
+                if verbose:
+                    print(_fmt(row), flush=True)
+            if fp8:
+                del q8, k8, ks
+        del q, k
+        torch.cuda.empty_cache()
+    return results
+
+
+def _fmt(row: dict) -> str:
+    if "error" in row:
+        return f"index_topk T={row['T']} {row['score_dtype']} cfg={row['config']}: ERROR {row['error'][:300]}"
+    s = (
+        f"index_topk T={row['T']:>8} {row['score_dtype']:>4} cfg={row['config']}: "
+        f"{row['ms']:9.3f} ms ({row['tflops']:6.1f} TFLOP/s; kernel {row['kernel_ms']:.3f} ms, "
+        f"{row['kernel_tflops']:.1f}), agree {row['agree']:.4f} tol {row.get('agree_tol', math.nan):.4f} "
+        f"recall {row['recall']:.5f}, peak +{row['peak_extra_bytes'] / 2**20:.0f} MiB "
+        f"(out {row['out_bytes'] / 2**20:.0f} MiB)"
+    )
+    if "agree_vs_bf16_ref" in row:
+        s += f", vs bf16 ref agree {row['agree_vs_bf16_ref']:.4f} recall {row['recall_vs_bf16_ref']:.4f}"
+    return s
+
+
+if __name__ == "__main__":  # pragma: no cover - GPU only
+    check_and_bench()

@@ -1,0 +1,278 @@
+"""The fused Triton index_topk kernel against the reference (CPU: run with TRITON_INTERPRET=1).
+
+Inputs are integer-valued (exact in bf16/fp16/fp32, every dot product exact in fp32), so the
+kernel must equal the reference exactly, ties (frequent with small integers) included: they go
+to the lower block id on both sides.  Rows are compared as sets (the contract), and the kernel's
+order (forced ascending, then by score, then -1) is checked to equal the reference's too.
+
+Interpreter notes: Triton 3.6's interpreter multiplies the raw uint16 bits in a bf16 tl.dot, so
+under TRITON_INTERPRET the kernel upcasts bf16 operands to fp32 before the dot (exact); fp8 dots
+are interpreted correctly (through fp16), so the FP8 path runs here too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from msakit.ops._dispatch import interpret_mode
+from msakit.ops.index_topk import index_topk, index_topk_reference, index_topk_varlen_reference
+from msakit.ops.index_topk.bench import agreement_rate, as_sets, rows_reference, sample_rows
+from msakit.ops.index_topk.reference import fp8_scoring_inputs, quantize_fp8_rows
+
+CAN_RUN_KERNEL = interpret_mode() or torch.cuda.is_available()
+needs_kernel = pytest.mark.skipif(not CAN_RUN_KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if (torch.cuda.is_available() and not interpret_mode()) else "cpu"
+# the interpreter converts its 1-element loop bounds with a numpy deprecation warning
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def int_inputs(B, T, G, Di, dtype=torch.bfloat16, lo=-4, hi=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(lo, hi + 1, (B, T, G, Di), generator=gen).to(dtype)
+    k = torch.randint(lo, hi + 1, (B, T, Di), generator=gen).to(dtype)
+    return q.to(DEV), k.to(DEV)
+
+
+def assert_same_sets(got, ref):
+    assert got.shape == ref.shape and got.dtype == torch.int32
+    ga, ra = as_sets(got), as_sets(ref)
+    bad = (ga != ra).any(dim=-1)
+    assert not bad.any(), f"{int(bad.sum())} rows differ, first at {bad.nonzero()[0].tolist()}"
+
+
+CASES = {
+    # name: (B, T, G, Di, block_size, topk, local_blocks, init_blocks, dtype)
+    "partial_last_block": (1, 200, 2, 32, 32, 4, 1, 0, torch.bfloat16),
+    "T_below_block": (1, 20, 2, 16, 32, 4, 1, 0, torch.bfloat16),
+    "T_1": (1, 1, 2, 16, 16, 4, 1, 0, torch.bfloat16),
+    "fewer_blocks_than_topk": (1, 70, 2, 16, 32, 8, 1, 0, torch.bfloat16),
+    "groups_3_batch_2": (2, 150, 3, 16, 16, 5, 1, 0, torch.bfloat16),
+    "local2_init1": (1, 260, 2, 32, 16, 6, 2, 1, torch.bfloat16),
+    "block_not_mult16_Di24": (1, 130, 1, 24, 20, 3, 1, 1, torch.bfloat16),
+    "block_160_subtiles": (1, 400, 1, 16, 160, 2, 1, 0, torch.bfloat16),
+    "block_48_topk1": (1, 150, 2, 16, 48, 1, 1, 0, torch.bfloat16),
+    "fp16": (1, 150, 2, 32, 16, 4, 1, 0, torch.float16),
+    "fp32": (2, 100, 2, 16, 16, 4, 1, 1, torch.float32),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name):
+    B, T, G, Di, bs, topk, loc, ini, dtype = CASES[name]
+    q, k = int_inputs(B, T, G, Di, dtype)
+    kw = dict(block_size=bs, topk=topk, local_blocks=loc, init_blocks=ini)
+    got = index_topk(q, k, backend="triton", **kw)
+    ref = index_topk_reference(q, k, **kw)
+    assert_same_sets(got, ref)
+    assert torch.equal(got, ref)  # exact inputs: the order matches the reference's too
+    if name == "groups_3_batch_2":  # the groups really select differently
+        assert not torch.equal(got[:, 0], got[:, 1]) and not torch.equal(got[:, 1], got[:, 2])
+
+
+@needs_kernel
+def test_kernel_random_floats_agree():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn((1, 256, 2, 32), generator=gen).to(torch.bfloat16).to(DEV)
+    k = torch.randn((1, 256, 32), generator=gen).to(torch.bfloat16).to(DEV)
+    got = index_topk(q, k, block_size=16, topk=5, backend="triton")
+    ref = index_topk_reference(q, k, block_size=16, topk=5)
+    assert agreement_rate(got, ref)["agree"] >= 0.99
+
+
+@needs_kernel
+def test_kernel_varlen_three_documents():
+    lens = [70, 10, 150]  # the middle document is shorter than a block
+    cu = torch.tensor([0, 70, 80, 230], dtype=torch.int32, device=DEV)
+    q, k = int_inputs(1, sum(lens), 2, 32, seed=3)
+    kw = dict(block_size=32, topk=3, local_blocks=2, init_blocks=1)
+    got = index_topk(q, k, cu_seqlens=cu, backend="triton", **kw)
+    ref = index_topk_varlen_reference(q, k, cu, **kw)
+    assert_same_sets(got, ref)
+    # the varlen reference is the per-document reference, ids relative to each document
+    for s, e in [(0, 70), (70, 80), (80, 230)]:
+        assert torch.equal(ref[:, :, s:e], index_topk_reference(q[:, s:e], k[:, s:e], **kw))
+    assert int(got[:, :, 70:80].max()) == 0  # the short document has only its block 0
+    assert torch.equal(index_topk(q, k, cu_seqlens=cu, backend="reference", **kw), ref)
+
+
+@needs_kernel
+def test_kernel_varlen_empty_document_and_batch_equivalence():
+    cu = torch.tensor([0, 0, 33, 33, 97], dtype=torch.int32, device=DEV)
+    q, k = int_inputs(1, 97, 3, 16, seed=4)
+    kw = dict(block_size=16, topk=4)
+    got = index_topk(q, k, cu_seqlens=cu, backend="triton", **kw)
+    assert_same_sets(got, index_topk_varlen_reference(q, k, cu, **kw))
+    # a single document spanning everything is the plain op
+    cu1 = torch.tensor([0, 97], dtype=torch.int32, device=DEV)
+    assert torch.equal(index_topk(q, k, cu_seqlens=cu1, backend="triton", **kw), index_topk_reference(q, k, **kw))
+
+
+def test_varlen_tile_table_covers_each_tile_once():
+    from msakit.ops.index_topk.triton import build_varlen_tiles
+
+    lens = [5, 0, 40, 17, 64]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    G, bm = 3, 16
+    tab = build_varlen_tiles(cu, sum(lens), G, bm)
+    assert tab.shape[0] == (sum(lens) * G + bm - 1) // bm + len(lens)
+    real = [(int(d), int(t)) for d, t in tab.tolist() if d >= 0]
+    want = [(d, t) for d, n in enumerate(lens) for t in range((n * G + bm - 1) // bm)]
+    assert sorted(real) == sorted(want)
+    # heaviest first: the tile's last token (its key count) never increases along the table
+    work = [min((t + 1) * bm, lens[d] * G) // G for d, t in real]
+    assert work == sorted(work, reverse=True)
+    assert all(d < 0 for d, _ in tab.tolist()[len(real):])
+
+
+def test_quantize_fp8_rows():
+    x = torch.randn(5, 7, 32)
+    x[0, 0] = 0.0
+    xq, s = quantize_fp8_rows(x)
+    assert xq.dtype == torch.float8_e4m3fn and s.shape == (5, 7)
+    assert float(xq.float().abs().amax()) <= 448.0
+    assert torch.all(xq[0, 0].float() == 0)
+    err = (xq.float() * s.unsqueeze(-1) - x).abs() / x.abs().amax(-1, keepdim=True).clamp(min=1e-6)
+    assert float(err.max()) <= 2**-4 + 1e-6  # e4m3: 3 mantissa bits
+
+
+@needs_kernel
+def test_kernel_fp8_exact_inputs_equal_reference():
+    # integer rows in [-7, 7] with a +-7 in each row: scale 7/448 = 1/64, codes exact, so the fp8
+    # scores are the exact scores (times 64^2) and the fp8 selection is the reference's
+    q, k = int_inputs(2, 160, 2, 32, torch.float32, -7, 7, seed=5)
+    q[..., 0], k[..., 0] = 7.0, -7.0
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    kw = dict(block_size=16, topk=5, local_blocks=2, init_blocks=1)
+    got = index_topk(q, k, score_dtype="fp8", backend="triton", **kw)
+    ref = index_topk_reference(q, k, **kw)
+    assert torch.equal(got, ref)
+
+
+@needs_kernel
+def test_kernel_fp8_random_matches_fp8_reference():
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn((1, 200, 2, 32), generator=gen).to(torch.bfloat16).to(DEV)
+    k = (torch.randn((1, 200, 32), generator=gen) * torch.rand((1, 200, 1), generator=gen) * 3).to(torch.bfloat16).to(DEV)
+    kw = dict(block_size=16, topk=4)
+    got = index_topk(q, k, score_dtype="fp8", backend="triton", **kw)
+    ref = index_topk(q, k, score_dtype="fp8", backend="reference", **kw)
+    qf, kf = fp8_scoring_inputs(q, k)
+    assert torch.equal(ref, index_topk_reference(qf, kf, **kw))
+    assert agreement_rate(got, ref)["agree"] >= 0.99
+    cu = torch.tensor([0, 50, 200], dtype=torch.int32, device=DEV)
+    got_v = index_topk(q, k, score_dtype="fp8", cu_seqlens=cu, backend="triton", **kw)
+    ref_v = index_topk(q, k, score_dtype="fp8", cu_seqlens=cu, backend="reference", **kw)
+    assert agreement_rate(got_v, ref_v)["agree"] >= 0.99
+
+
+def test_reference_and_auto_backends_on_cpu(monkeypatch):
+    # (msakit.ops.index_topk as an attribute is the function, so import the module by name)
+    tk = importlib.import_module("msakit.ops.index_topk.triton")
+
+    def boom(*a, **k):
+        raise AssertionError("the Triton path must not run")
+
+    monkeypatch.setattr(tk, "index_topk_triton", boom)
+    q, k = int_inputs(1, 50, 2, 16)
+    q, k = q.cpu(), k.cpu()
+    ref = index_topk_reference(q, k, block_size=16, topk=3)
+    assert torch.equal(index_topk(q, k, block_size=16, topk=3, backend="reference"), ref)
+    assert torch.equal(index_topk(q, k, block_size=16, topk=3, backend="auto"), ref)
+
+
+def test_bad_arguments_raise():
+    q, k = int_inputs(1, 40, 2, 16)
+    with pytest.raises(ValueError, match="backend"):
+        index_topk(q, k, backend="cuda")
+    with pytest.raises(ValueError, match="score_dtype"):
+        index_topk(q, k, score_dtype="int8")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        index_topk(q, k, cu_seqlens=torch.tensor([0, 10, 30], dtype=torch.int32, device=DEV).cpu())
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        index_topk(q, k, cu_seqlens=torch.tensor([0, 40], dtype=torch.float32))
+    q2, k2 = int_inputs(2, 40, 2, 16)
+    with pytest.raises(ValueError, match="packed"):
+        index_topk(q2.cpu(), k2.cpu(), cu_seqlens=torch.tensor([0, 40], dtype=torch.int32))
+    with pytest.raises(ValueError, match="topk"):
+        index_topk(q, k, topk=2, local_blocks=2, init_blocks=1)
+
+
+def test_custom_op_compiles_and_has_no_gradient():
+    assert hasattr(torch.ops.msakit, "index_topk")
+    q, k = int_inputs(1, 64, 2, 16)
+    q, k = q.cpu().float().requires_grad_(), k.cpu().float()
+
+    def f(q, k):
+        return index_topk(q, k, block_size=16, topk=3, backend="reference")
+
+    ref = index_topk_reference(q.detach(), k, block_size=16, topk=3)
+    out = f(q, k)
+    assert torch.equal(out, ref) and not out.requires_grad
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(q, k), ref)
+    torch.library.opcheck(
+        torch.ops.msakit.index_topk.default,
+        (q.detach(), k, None, 16, 3, 1, 0, "", "reference"),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )
+
+
+def test_rows_reference_matches_full_reference():
+    gen = torch.Generator().manual_seed(7)
+    B, T, G = 2, 300, 3
+    q = torch.randn((B, T, G, 16), generator=gen)
+    k = torch.randn((B, T, 16), generator=gen)
+    kw = dict(block_size=32, topk=5, local_blocks=2, init_blocks=1)
+    full = index_topk_reference(q, k, **kw)
+    b, g, i = sample_rows(B, G, T, 64, gen)
+    sel, M = rows_reference(q, k, b, g, i, **kw)
+    assert torch.equal(sel, full[b, g, i])
+    assert M.shape == (64, (T + 31) // 32)
+    res = agreement_rate(full[b, g, i].flip(-1), sel, M)  # order is ignored
+    assert res["agree"] == 1.0 and res["agree_tol"] == 1.0 and res["recall"] == 1.0
+    other = sel.clone()
+    other[0, -1] = -1 if other[0, -1] >= 0 else 0
+    assert agreement_rate(other, sel, M)["agree"] < 1.0
+
+
+def test_bench_imports_without_gpu():
+    from msakit.ops.index_topk import bench
+
+    assert callable(bench.check_and_bench)
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("0", "1")
+
+
+def test_kernel_compiles_for_sm90_without_spills():
+    """Compile (no launch) the M3-shape kernels for sm_90 with the wheel's ptxas, in a process
+    without TRITON_INTERPRET: catches what only the real compiler rejects (non-constexpr
+    globals, unsupported ops) and register spills, on a machine without a GPU."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("the triton wheel has no ptxas")
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    code = (
+        "import json; from msakit.ops.index_topk.triton import compile_report; "
+        "print(json.dumps(compile_report()))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert {r["variant"] for r in rows} == {"bf16", "fp8", "bf16_varlen"}
+    for r in rows:
+        assert r["stack"] == 0 and r["local_loads"] == 0, r  # no register spills
+        assert r["gmma"] > 0, r  # Hopper wgmma (HGMMA / QGMMA for fp8)
+        assert r["async_copies"] > 0, r  # key tiles are software-pipelined
+        assert r["shared"] <= 227 * 1024, r
