@@ -7,9 +7,108 @@ import math
 import torch
 
 from .._checks import check_block_idx, check_index_qk, check_positive_int, check_qkv, check_same, check_scale
-from .reference import index_kl_loss_reference
+from .._dispatch import use_triton
+from .reference import index_kl_loss_reference, index_kl_loss_varlen_reference, selected_lse_reference
 
-__all__ = ["index_kl_loss", "index_kl_loss_reference"]
+__all__ = [
+    "index_kl_loss",
+    "index_kl_loss_reference",
+    "index_kl_loss_varlen_reference",
+    "selected_lse",
+    "selected_lse_reference",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops: the forward computes the loss and both gradients in one pass (the gradients are
+# [B,T,G,Di] and [B,T,Di], the size of q_idx and k_idx); the backward scales them.
+# --------------------------------------------------------------------------------------------
+
+
+def _grad_save_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float16 cannot hold the 1 / (B*G*T)-scaled gradients: keep them in float32 until backward
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+@torch.library.custom_op("msakit::index_kl_fwd", mutates_args=())
+def _index_kl_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    block_idx: torch.Tensor,
+    lse: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    block_size: int,
+    softmax_scale: float,
+    index_softmax_scale: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton import index_kl_fwd_triton
+
+    return index_kl_fwd_triton(
+        q, k, q_idx, k_idx, block_idx, lse, cu_seqlens, block_size, softmax_scale, index_softmax_scale, compute_grad
+    )
+
+
+@_index_kl_fwd.register_fake
+def _index_kl_fwd_fake(q, k, q_idx, k_idx, block_idx, lse, cu_seqlens, block_size, softmax_scale,
+                       index_softmax_scale, compute_grad):
+    loss = q_idx.new_empty((), dtype=torch.float32)
+    if compute_grad:
+        return (loss, torch.empty_like(q_idx, dtype=_grad_save_dtype(q_idx.dtype)),
+                torch.empty_like(k_idx, dtype=_grad_save_dtype(k_idx.dtype)))
+    return loss, q_idx.new_empty(0), k_idx.new_empty(0)
+
+
+@torch.library.custom_op("msakit::index_kl_bwd", mutates_args=())
+def _index_kl_bwd(
+    grad_loss: torch.Tensor, dq_idx: torch.Tensor, dk_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = grad_loss.to(torch.float32)
+    return (g * dq_idx.float()).to(dq_idx.dtype), (g * dk_idx.float()).to(dk_idx.dtype)
+
+
+@_index_kl_bwd.register_fake
+def _index_kl_bwd_fake(grad_loss, dq_idx, dk_idx):
+    return torch.empty_like(dq_idx), torch.empty_like(dk_idx)
+
+
+def _setup_context(ctx, inputs, output):
+    _, dq, dk = output
+    ctx.compute_grad = inputs[-1]
+    ctx.dtypes = (inputs[2].dtype, inputs[3].dtype)
+    ctx.save_for_backward(dq, dk)
+
+
+def _backward(ctx, grad_loss, _gdq, _gdk):
+    if not ctx.compute_grad:
+        return (None,) * 11
+    dq, dk = ctx.saved_tensors
+    gq, gk = torch.ops.msakit.index_kl_bwd(grad_loss, dq, dk)
+    return None, None, gq.to(ctx.dtypes[0]), gk.to(ctx.dtypes[1]), None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("msakit::index_kl_fwd", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Public op
+# --------------------------------------------------------------------------------------------
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int, device: torch.device) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D tensor [ndocs + 1] of document offsets")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the tensors must have B = 1 (documents packed along T), got B={B}")
+    cu = cu_seqlens.long()
+    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}")
 
 
 def index_kl_loss(
@@ -22,6 +121,9 @@ def index_kl_loss(
     block_size: int = 128,
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
+    lse: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Mean over (b, r, i) of KL(P || P_idx) on the selected tokens; a scalar.
 
@@ -30,6 +132,17 @@ def index_kl_loss(
     head-averaged softmax(softmax_scale * q . k), P_idx = softmax(index_softmax_scale *
     q_idx . k_idx), both over the tokens j <= i of the selected blocks.  Default scales are
     1/sqrt(D) and 1/sqrt(Di).
+
+    lse: optional [B, Hq, T] float32, the main branch's log-sum-exp over the selected tokens (as
+    returned by `sparse_attention(..., return_lse=True)`); the kernel then recomputes P from q,
+    k and lse without a statistics pass.  When None it is computed (`selected_lse`).  The
+    reference backend ignores it (it normalises P exactly).
+    cu_seqlens: optional int32 [ndocs + 1]; then B = 1, the documents are packed along T, block
+    ids are relative to each document's start, and the loss is the mean over all (r, i) of all
+    documents.
+    backend: "auto" | "triton" | "reference" (see msakit.ops._dispatch).  The Triton path
+    computes the loss and the gradients in the forward (one pass; fp32 atomics, so gradients
+    are not bitwise deterministic); float64 inputs always use the reference.
     """
     B, T, Hq, G, D = check_qkv(q, k, None)
     Bi, Ti, Gi, Di = check_index_qk(q_idx, k_idx)
@@ -40,7 +153,61 @@ def index_kl_loss(
     check_block_idx(block_idx, B, G, T, block_size, q.device)
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     iscale = check_scale("index_softmax_scale", index_softmax_scale, 1.0 / math.sqrt(Di))
+    if lse is not None:
+        if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (B, Hq, T) or not lse.is_floating_point():
+            raise ValueError(f"lse must be a float tensor of shape [B={B}, Hq={Hq}, T={T}]")
+        if lse.device != q.device:
+            raise ValueError(f"lse is on {lse.device} but q is on {q.device}")
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, B, T, q.device)
+
+    fp64 = torch.float64 in (q.dtype, q_idx.dtype)
+    if use_triton("index_kl_loss", backend, q.device) and not (fp64 and backend == "auto"):
+        if fp64:
+            raise ValueError("backend='triton' for index_kl_loss supports fp16/bf16/fp32 inputs, not float64")
+        compute_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
+        loss, _, _ = torch.ops.msakit.index_kl_fwd(
+            q.detach(), k.detach(), q_idx, k_idx, block_idx,
+            None if lse is None else lse.detach(),
+            None if cu_seqlens is None else cu_seqlens.to(torch.int32),
+            block_size, scale, iscale, compute_grad,
+        )
+        return loss
+    if cu_seqlens is not None:
+        return index_kl_loss_varlen_reference(
+            q.detach(), k.detach(), q_idx, k_idx, block_idx, cu_seqlens,
+            block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale,
+        )
     return index_kl_loss_reference(
         q.detach(), k.detach(), q_idx, k_idx, block_idx,
         block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale,
     )
+
+
+def selected_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    block_idx: torch.Tensor,
+    *,
+    block_size: int = 128,
+    softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The main branch's per-head log-sum-exp over the selected tokens, [B, Hq, T] float32.
+
+    lse[b, h, i] = log sum_{j in T_sel(r, i)} exp(softmax_scale * q_h(i) . k_r(j)), -inf for a
+    row selecting nothing (what `index_kl_loss` takes as `lse`).
+    """
+    B, T, Hq, G, D = check_qkv(q, k, None)
+    check_positive_int("block_size", block_size)
+    check_block_idx(block_idx, B, G, T, block_size, q.device)
+    scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    if use_triton("selected_lse", backend, q.device) and q.dtype != torch.float64:
+        from .triton import selected_lse_triton
+
+        with torch.no_grad():
+            return selected_lse_triton(q.detach(), k.detach(), block_idx, block_size, scale, cu_seqlens=cu_seqlens)
+    return selected_lse_reference(q, k, block_idx, block_size=block_size, softmax_scale=scale, cu_seqlens=cu_seqlens)

@@ -8,6 +8,9 @@ Over the tokens T_sel(r, i) selected by block_idx[b, r, i] (j <= i; see sparse_a
 
 Gradients reach q_idx and k_idx only.  A row with no selected token contributes 0 (and still
 counts in the mean).
+
+Also here: `index_kl_loss_varlen_reference` (documents packed along T, `cu_seqlens`) and
+`selected_lse_reference` (the per-head LSE over the selected tokens that the kernel takes as `lse`).
 """
 
 from __future__ import annotations
@@ -67,3 +70,77 @@ def index_kl_loss_reference(
         args = (q[:, i0:i1], k, q_idx[:, i0:i1], k_idx, block_idx[:, :, i0:i1], i0 + k.shape[1] - T, block_size, scale, iscale)
         total = total + (checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
     return total / (B * G * T)
+
+
+def index_kl_loss_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    block_idx: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int = 128,
+    softmax_scale: float | None = None,
+    index_softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Varlen twin: tensors [1, total, ...], block_idx [1, G, total, K] with ids relative to each
+    document's start, cu_seqlens [ndocs + 1].  The mean over all (r, i) of all documents."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    total = cu[-1]
+    acc = q_idx.new_zeros((), dtype=compute_dtype(q_idx))
+    for s, e in zip(cu[:-1], cu[1:]):
+        if e <= s:
+            continue
+        part = index_kl_loss_reference(
+            q[:, s:e], k[:, s:e], q_idx[:, s:e], k_idx[:, s:e], block_idx[:, :, s:e],
+            block_size=block_size, softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale,
+        )
+        acc = acc + part * (e - s)
+    return acc / total
+
+
+def _lse_chunk(q, k, bidx, i0: int, block_size: int, scale: float):
+    B, C, Hq, D = q.shape
+    T, G = k.shape[1], k.shape[2]
+    cdt = compute_dtype(q)
+    pos, valid = selected_tokens(bidx, i0, T, block_size)
+    kc = gather_tokens(k, pos).to(cdt)
+    qc = q.to(cdt).view(B, C, G, Hq // G, D).permute(0, 2, 1, 3, 4)
+    s = torch.einsum("bgchd,bgcld->bgchl", qc, kc) * scale
+    s = s.masked_fill(~valid.unsqueeze(3), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, G, C, hpg]; -inf for an empty row
+    return lse.permute(0, 1, 3, 2).reshape(B, Hq, C)
+
+
+@torch.no_grad()
+def selected_lse_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    block_idx: torch.Tensor,
+    *,
+    block_size: int = 128,
+    softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """lse [B, Hq, T] float32 (float64 for float64 q): log sum_{j in T_sel(r, i)} exp(scale * q_h(i) . k_r(j)).
+
+    -inf for a row selecting nothing.  With cu_seqlens (B = 1), ids are relative to each document.
+    """
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    K = block_idx.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if cu_seqlens is not None:
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        out = torch.full((B, Hq, T), float("-inf"), device=q.device, dtype=compute_dtype(q))
+        for s, e in zip(cu[:-1], cu[1:]):
+            if e > s:
+                out[:, :, s:e] = selected_lse_reference(
+                    q[:, s:e], k[:, s:e], block_idx[:, :, s:e], block_size=block_size, softmax_scale=scale
+                )
+        return out
+    C = chunk_rows(T, B * G * K * block_size * (D + Hq // G + 4) * 4)
+    parts = [_lse_chunk(q[:, i0:i0 + C], k, block_idx[:, :, i0:i0 + C], i0, block_size, scale) for i0 in range(0, T, C)]
+    return torch.cat(parts, dim=2)
+
