@@ -69,7 +69,8 @@ def build_k2q(block_idx: torch.Tensor, block_size: int, q_tile: int) -> K2Q:
     bg = torch.arange(B * G, device=dev).view(B, G, 1, 1)
     key = torch.where(s >= 0, bg * nb + s, torch.full_like(s, nkeys)).reshape(-1)
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=nkeys + 1)[:nkeys]
+    # scatter_add, not bincount: bincount syncs with the host on CUDA to size its output
+    counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:nkeys]
     row_ptr = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
     row_ptr[1:] = torch.cumsum(counts, 0)
     q_index = ((order // K) % T).to(torch.int32)

@@ -33,7 +33,8 @@ def _chunk(q, k, q_idx, k_idx, bidx, row0: int, block_size: int, scale: float, i
         qc = q.to(cdt).view(B, C, G, Hq // G, D).permute(0, 2, 1, 3, 4)
         s = torch.einsum("bgchd,bgcld->bgchl", qc, kc) * scale
         p, denom, _ = masked_softmax_parts(s, valid.unsqueeze(3))
-        P = (p / denom.clamp_min(torch.finfo(cdt).tiny)).mean(dim=3)  # [B, G, C, L]
+        # denom >= 1 on any row with a token (p = exp(s - max)); clamping at 1 keeps empty rows NaN-free
+        P = (p / denom.clamp_min(1.0)).mean(dim=3)  # [B, G, C, L]
     kic = gather_tokens(k_idx, pos).to(cdt)  # [B, G, C, L, Di]
     qic = q_idx.to(cdt).permute(0, 2, 1, 3)  # [B, G, C, Di]
     z = torch.einsum("bgcd,bgcld->bgcl", qic, kic) * iscale

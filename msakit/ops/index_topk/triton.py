@@ -55,34 +55,76 @@ import triton
 import triton.language as tl
 
 from .._dispatch import interpret_mode
-from .reference import quantize_fp8_rows
 
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
+FP8_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)
+
+
+@triton.jit
+def _next_lane(v, lt, SHFL_ASM: tl.constexpr):
+    """[r, t] <- v[r, t + 1] along the 4-wide lane axis (the value left at t = 3 is unspecified).
+
+    On the GPU the axis is the 4 lanes of a quad (lane bits 0 and 1 are t: the layout the score
+    tile's reshape gives, checked by `compile_report`), so one shfl.down per register does it;
+    the interpreter (no inline asm) uses a gather.
+    """
+    if SHFL_ASM:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = tl.inline_asm_elementwise(
+            "shfl.sync.down.b32 $0, $1, 1, 0x1c1f, 0xffffffff;", "=r,r", [bits],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )
+        return bits.to(v.dtype, bitcast=True)
+    else:
+        idx = tl.minimum(lt + 1, 3) + tl.zeros(v.shape, tl.int32)
+        return tl.gather(v, idx, 1)
 
 
 @triton.jit
 def _score_block(
-    q, k_base, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok,
+    q, k_base, k_desc, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok, k_row0,
     BS: tl.constexpr, DI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NSUB: tl.constexpr, HAS_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_KSCALE: tl.constexpr, DOT_F32: tl.constexpr, TF32X3: tl.constexpr,
+    USE_KSCALE: tl.constexpr, DOT_F32: tl.constexpr, TF32X3: tl.constexpr, LANES: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """Max over key block kb's tokens (j <= tok when CAUSAL) of each row's scores -> [BLOCK_M]."""
+    """Max over key block kb's tokens (j <= tok when CAUSAL) of each row's scores.
+
+    LANES == 1: [BLOCK_M].  LANES == 4: [BLOCK_M, 4], column t the max over the key columns c
+    with (c // 2) % 4 == t -- the columns lane t of a quad holds in the MMA accumulator, so the
+    reduction stays inside each thread; the row max is then the max over the 4 lanes.
+    Without CAUSAL the block lies entirely before the tile's first token: no mask at all
+    (except the padding columns of a block that is not a multiple of BLOCK_N).
+    """
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
-    mb = tl.full([BLOCK_M], NEG_INF, tl.float32)
+    if LANES == 4:
+        mb = tl.full([BLOCK_M, 4], NEG_INF, tl.float32)
+    else:
+        mb = tl.full([BLOCK_M], NEG_INF, tl.float32)
     for sub in tl.static_range(NSUB):
         n_in = sub * BLOCK_N + rn  # position inside the block
         col = kb * BS + n_in  # key position inside the sequence
-        cmask = col < seq_len
-        if HAS_PAD:
-            cmask = cmask & (n_in < BS)
-        kp = k_base + col.to(tl.int64)[:, None] * stride_kt + rd[None, :] * stride_kd
-        if DI == BLOCK_D:
-            k = tl.load(kp, mask=cmask[:, None], other=0.0)
+        if TMA:  # rows past the sequence are another sequence's keys or zeros: masked below
+            k = k_desc.load([k_row0 + kb * BS + sub * BLOCK_N, 0])
         else:
-            k = tl.load(kp, mask=cmask[:, None] & (rd[None, :] < DI), other=0.0)
+            # one 64-bit scalar block pointer + loop-invariant 32-bit offsets (cheap addressing)
+            k_blk = k_base + tl.cast(kb * BS + sub * BLOCK_N, tl.int64) * stride_kt
+            kp = k_blk + (rn[:, None] * stride_kt + rd[None, :] * stride_kd)
+            if CAUSAL or HAS_PAD:
+                cmask = col < seq_len
+                if HAS_PAD:
+                    cmask = cmask & (n_in < BS)
+                if DI == BLOCK_D:
+                    k = tl.load(kp, mask=cmask[:, None], other=0.0)
+                else:
+                    k = tl.load(kp, mask=cmask[:, None] & (rd[None, :] < DI), other=0.0)
+            else:
+                if DI == BLOCK_D:
+                    k = tl.load(kp)
+                else:
+                    k = tl.load(kp, mask=(rd[None, :] < DI), other=0.0)
         if DOT_F32:  # interpreter only: its bf16 dot multiplies the raw bits
             k = k.to(tl.float32)
         if TF32X3:  # float32 inputs: 3-pass tf32, near-fp32 accuracy on tensor cores
@@ -90,7 +132,10 @@ def _score_block(
         else:
             s = tl.dot(q, tl.trans(k))
         if USE_KSCALE:
-            ks = tl.load(ks_base + col.to(tl.int64) * stride_kst, mask=cmask, other=1.0)
+            if CAUSAL or HAS_PAD:
+                ks = tl.load(ks_base + col.to(tl.int64) * stride_kst, mask=col < seq_len, other=1.0)
+            else:
+                ks = tl.load(ks_base + col.to(tl.int64) * stride_kst)
             s = s * ks[None, :]
         if CAUSAL:
             ok = col[None, :] <= tok[:, None]
@@ -98,8 +143,12 @@ def _score_block(
                 ok = ok & (n_in < BS)[None, :]
             s = tl.where(ok, s, NEG_INF)
         elif HAS_PAD:
-            s = tl.where(cmask[None, :], s, NEG_INF)
-        mb = tl.maximum(mb, tl.max(s, 1))
+            s = tl.where((n_in < BS)[None, :], s, NEG_INF)
+        if LANES == 4:
+            part = tl.max(tl.max(tl.reshape(s, [BLOCK_M, BLOCK_N // 8, 4, 2]), 3), 1)
+            mb = tl.maximum(mb, part)
+        else:
+            mb = tl.maximum(mb, tl.max(s, 1))
     return mb
 
 
@@ -128,18 +177,58 @@ def _topk_insert(vals, ids, x, kb, K: tl.constexpr):
 
 
 @triton.jit
-def _topk_step(vals, ids, x, kb, K: tl.constexpr, SKIP: tl.constexpr):
-    if SKIP:  # the whole tile skips the network when no row beats its current minimum
-        if tl.max((x > vals[0]).to(tl.int32), 0) > 0:
-            vals, ids = _topk_insert(vals, ids, x, kb, K)
+def _topk_insert_lanes(vals, ids, x, kb, lt, KL: tl.constexpr, SHFL_ASM: tl.constexpr):
+    """The same network on the lane-split state: vals/ids are KL tensors [BLOCK_M, 4], slot
+    KL * t + j in vals[j][:, t]; x [BLOCK_M, 1].  The upper neighbour of lane t's top slot is
+    lane t + 1's slot 0 (one shuffle), +inf above the top slot (lane 3).
+    """
+    up_v = tl.where(lt == 3, POS_INF, _next_lane(vals[0], lt, SHFL_ASM))
+    up_i = _next_lane(ids[0], lt, SHFL_ASM)
+    nv = ()
+    ni = ()
+    c_s = vals[0] < x
+    for j in tl.static_range(KL):
+        if j + 1 < KL:
+            v_n = vals[j + 1]
+            i_n = ids[j + 1]
+        else:
+            v_n = up_v
+            i_n = up_i
+        c_n = v_n < x
+        nv = nv + (tl.where(c_n, v_n, tl.where(c_s, x, vals[j])),)
+        ni = ni + (tl.where(c_n, i_n, tl.where(c_s, kb, ids[j])),)
+        c_s = c_n
+    return nv, ni
+
+
+@triton.jit
+def _step(vals, ids, mb, kb, forced, lt, K: tl.constexpr, KL: tl.constexpr, LANES: tl.constexpr,
+          SKIP: tl.constexpr, SHFL_ASM: tl.constexpr, FORCED: tl.constexpr):
+    """Reduce block kb's partial maxima to a row score, force, insert."""
+    if LANES == 4:
+        x = tl.max(mb, 1)
+        if FORCED == 1:  # every row forces this block (an init block before the tile)
+            x = tl.full(x.shape, POS_INF, tl.float32)
+        elif FORCED == 2:
+            x = tl.where(forced, POS_INF, x)
+        vals, ids = _topk_insert_lanes(vals, ids, x[:, None], kb, lt, KL, SHFL_ASM)
     else:
-        vals, ids = _topk_insert(vals, ids, x, kb, K)
+        x = mb
+        if FORCED == 1:
+            x = tl.full(x.shape, POS_INF, tl.float32)
+        elif FORCED == 2:
+            x = tl.where(forced, POS_INF, x)
+        if SKIP:  # the whole tile skips the network when no row beats its current minimum
+            if tl.max((x > vals[0]).to(tl.int32), 0) > 0:
+                vals, ids = _topk_insert(vals, ids, x, kb, K)
+        else:
+            vals, ids = _topk_insert(vals, ids, x, kb, K)
     return vals, ids
 
 
 @triton.jit
 def _index_topk_kernel(
-    q_ptr, k_ptr, ks_ptr, out_ptr, tile_ptr, cu_ptr,
+    q_ptr, k_ptr, k_desc, ks_ptr, out_ptr, tile_ptr, cu_ptr,
     T, B, n_tiles,
     stride_qb, stride_qt, stride_qg, stride_qd,
     stride_kb, stride_kt, stride_kd,
@@ -150,6 +239,7 @@ def _index_topk_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NSUB: tl.constexpr,
     HAS_PAD: tl.constexpr, TOPK: tl.constexpr, SKIP: tl.constexpr, VARLEN: tl.constexpr,
     USE_KSCALE: tl.constexpr, DOT_F32: tl.constexpr, TF32X3: tl.constexpr,
+    LANES: tl.constexpr, SHFL_ASM: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if VARLEN:
@@ -187,37 +277,84 @@ def _index_topk_kernel(
         q = q.to(tl.float32)
     k_base = k_ptr + b64 * stride_kb + start64 * stride_kt
     ks_base = ks_ptr + b64 * stride_ksb + start64 * stride_kst
+    k_row0 = b * T + seq_start  # the sequence's first row in the [B * T, Di] descriptor
 
-    # key blocks: [0, n_full) lie before the tile's first token (no causal mask), then the
-    # diagonal blocks up to the last valid token's block
+    # key blocks, ascending: [0, n_init) forced init blocks before the tile's first token,
+    # [n_init, n_plain) before it and forced for no row (no mask, no forcing), then
+    # [n_plain, n_blk) with the causal mask and the per-row forcing (the last local_blocks + 1
+    # blocks or so, and the diagonal)
     tok_lo = (tile * BLOCK_M) // G
     tok_hi = tl.maximum(tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, seq_len - 1), 0)
     n_blk = tl.where(seq_len > 0, tok_hi // BS + 1, 0)
     n_full = tl.minimum(tok_lo // BS, n_blk)
+    n_init = tl.minimum(init_blocks, n_full)
+    n_plain = tl.maximum(tl.minimum(n_full, tok_lo // BS - local_blocks + 1), n_init)
     own = tok // BS
 
+    KL: tl.constexpr = (TOPK + 3) // 4  # slots per lane when LANES == 4
     vals = ()
     ids = ()
-    for _s in tl.static_range(TOPK):
-        vals = vals + (tl.full([BLOCK_M], NEG_INF, tl.float32),)
-        ids = ids + (tl.full([BLOCK_M], -1, tl.int32),)
+    if LANES == 4:
+        lt = tl.arange(0, 4)[None, :]
+        for _s in tl.static_range(KL):
+            vals = vals + (tl.full([BLOCK_M, 4], NEG_INF, tl.float32),)
+            ids = ids + (tl.full([BLOCK_M, 4], -1, tl.int32),)
+    else:
+        lt = 0
+        for _s in tl.static_range(TOPK):
+            vals = vals + (tl.full([BLOCK_M], NEG_INF, tl.float32),)
+            ids = ids + (tl.full([BLOCK_M], -1, tl.int32),)
 
-    for kb in range(0, n_full):
-        mb = _score_block(q, k_base, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok,
-                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, False, USE_KSCALE, DOT_F32, TF32X3)
+    for kb in range(0, n_init):
+        mb = _score_block(q, k_base, k_desc, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok, k_row0,
+                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, False, USE_KSCALE, DOT_F32, TF32X3,
+                          LANES, TMA)
+        vals, ids = _step(vals, ids, mb, kb, None, lt, TOPK, KL, LANES, SKIP, SHFL_ASM, 1)
+    for kb in range(n_init, n_plain):
+        mb = _score_block(q, k_base, k_desc, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok, k_row0,
+                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, False, USE_KSCALE, DOT_F32, TF32X3,
+                          LANES, TMA)
+        vals, ids = _step(vals, ids, mb, kb, None, lt, TOPK, KL, LANES, SKIP, SHFL_ASM, 0)
+    for kb in range(n_plain, n_blk):
+        mb = _score_block(q, k_base, k_desc, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok, k_row0,
+                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, True, USE_KSCALE, DOT_F32, TF32X3,
+                          LANES, TMA)
         forced = ((kb <= own) & (kb > own - local_blocks)) | ((kb < init_blocks) & (kb <= own))
-        vals, ids = _topk_step(vals, ids, tl.where(forced, POS_INF, mb), kb, TOPK, SKIP)
-    for kb in range(n_full, n_blk):
-        mb = _score_block(q, k_base, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok,
-                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, True, USE_KSCALE, DOT_F32, TF32X3)
-        forced = ((kb <= own) & (kb > own - local_blocks)) | ((kb < init_blocks) & (kb <= own))
-        vals, ids = _topk_step(vals, ids, tl.where(forced, POS_INF, mb), kb, TOPK, SKIP)
+        vals, ids = _step(vals, ids, mb, kb, forced, lt, TOPK, KL, LANES, SKIP, SHFL_ASM, 2)
 
     # slots ascend by (score, -id); the reference lists them descending (forced ids ascending,
     # then by score, ties to the lower id), then -1 for the empty slots, which hold id -1
     o_rows = out_ptr + b64 * stride_ob + grp.to(tl.int64) * stride_og + (start64 + tok.to(tl.int64)) * stride_ot
-    for s in tl.static_range(TOPK):
-        tl.store(o_rows + (TOPK - 1 - s) * stride_os, ids[s], mask=row_ok)
+    if LANES == 4:
+        # slot KL * t + j of KP = 4 * KL goes to column KP - 1 - (KL * t + j) when that is < TOPK
+        for j in tl.static_range(KL):
+            pos = 4 * KL - 1 - (KL * lt + j)
+            tl.store(o_rows[:, None] + pos * stride_os, ids[j], mask=row_ok[:, None] & (pos < TOPK))
+    else:
+        for s in tl.static_range(TOPK):
+            tl.store(o_rows + (TOPK - 1 - s) * stride_os, ids[s], mask=row_ok)
+
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, xq_ptr, s_ptr, n_rows, D, stride_x,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CAST: tl.constexpr):
+    """Per-row float8_e4m3fn quantization, `reference.quantize_fp8_rows` bit for bit.
+
+    CAST=False (the interpreter, whose float32 -> e4m3 conversion does not round to nearest
+    even) writes the clamped float32 quotients for the host to convert.
+    """
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_ok = r < n_rows
+    m = r_ok[:, None] & (d < D)[None, :]
+    r64 = r.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * stride_x + d[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, FP8_TINY)
+    y = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+    if CAST:
+        y = y.to(tl.float8e4nv)
+    tl.store(xq_ptr + r64[:, None] * D + d[None, :], y, mask=m)
+    tl.store(s_ptr + r64, s, mask=r_ok)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -237,17 +374,21 @@ def block_n_for(block_size: int, cap: int = 128) -> int:
 
 
 # GPU configurations (H100/H200, sm_90), keyed by the scoring dtype class and head dim.
-# BLOCK_M rows = BLOCK_M / G tokens with all their groups; 128 x 128 fp32 scores over 8 warps.
+# BLOCK_M rows = BLOCK_M / G tokens with all their groups.  Keys (all optional but BLOCK_M,
+# num_warps, num_stages): LANES (4: top-k slots split over the 4 lanes of a quad, 1: every lane
+# keeps a row's whole top-k), TMA (key tiles by tensor-memory-accelerator copies instead of
+# per-thread cp.async), SKIP (LANES=1 only: the tile skips the insert when no row improves),
+# BLOCK_N_MAX (keys per dot).
 GPU_CONFIGS = {
-    ("16bit", 128): dict(BLOCK_M=128, num_warps=8, num_stages=3),
-    ("16bit", 256): dict(BLOCK_M=128, num_warps=8, num_stages=2),
-    ("fp8", 128): dict(BLOCK_M=128, num_warps=8, num_stages=4),
-    ("fp8", 256): dict(BLOCK_M=128, num_warps=8, num_stages=3),
+    ("16bit", 128): dict(BLOCK_M=128, num_warps=8, num_stages=3, LANES=4, TMA=False),
+    ("16bit", 256): dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=False),
+    ("fp8", 128): dict(BLOCK_M=128, num_warps=8, num_stages=4, LANES=4, TMA=False),
+    ("fp8", 256): dict(BLOCK_M=128, num_warps=8, num_stages=3, LANES=4, TMA=False),
     # float32 inputs: 3-pass tf32 (near-fp32 accuracy); 64-key tiles to fit shared memory
-    ("fp32", 128): dict(BLOCK_M=64, BLOCK_N_MAX=64, num_warps=4, num_stages=2),
-    ("fp32", 256): dict(BLOCK_M=64, BLOCK_N_MAX=32, num_warps=4, num_stages=2),
+    ("fp32", 128): dict(BLOCK_M=64, BLOCK_N_MAX=64, num_warps=4, num_stages=2, LANES=4, TMA=False),
+    ("fp32", 256): dict(BLOCK_M=64, BLOCK_N_MAX=32, num_warps=4, num_stages=2, LANES=4, TMA=False),
 }
-INTERPRET_CONFIG = dict(BLOCK_M=64, num_warps=4, num_stages=1)
+INTERPRET_CONFIG = dict(BLOCK_M=64, num_warps=4, num_stages=1, LANES=4, TMA=False)
 
 
 def default_config(kind: str, head_dim: int) -> dict:
@@ -297,14 +438,44 @@ def index_topk_triton(
 ) -> torch.Tensor:
     """Kernel entry (arguments already checked by `index_topk`).  Returns int32 [B, G, T, topk]."""
     if score_dtype == "fp8":
-        q8, _ = quantize_fp8_rows(q_idx)
-        k8, ks = quantize_fp8_rows(k_idx)
+        q8, _ = quantize_fp8(q_idx)
+        k8, ks = quantize_fp8(k_idx)
         return launch(q8, k8, ks, block_size=block_size, topk=topk, local_blocks=local_blocks,
                       init_blocks=init_blocks, cu_seqlens=cu_seqlens, config=config)
     if q_idx.dtype == torch.float64:  # the kernel scores in float32
         q_idx, k_idx = q_idx.float(), k_idx.float()
     return launch(q_idx, k_idx, None, block_size=block_size, topk=topk, local_blocks=local_blocks,
                   init_blocks=init_blocks, cu_seqlens=cu_seqlens, config=config)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.quantize_fp8_rows` in one Triton pass (read x, write codes and scales)."""
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = rows.shape[0]
+    cast = not interpret_mode()
+    xq = torch.empty((n, D), dtype=torch.float8_e4m3fn if cast else torch.float32, device=x.device)
+    scale = torch.empty(n, dtype=torch.float32, device=x.device)
+    block_d = max(16, _next_pow2(D))
+    block_r = max(1, min(64, 8192 // block_d))
+    if n > 0:
+        _quantize_fp8_kernel[(triton.cdiv(n, block_r),)](
+            rows, xq, scale, n, D, rows.stride(0), BLOCK_R=block_r, BLOCK_D=block_d, CAST=cast, num_warps=4,
+        )
+    if not cast:
+        xq = xq.to(torch.float8_e4m3fn)
+    return xq.view(x.shape), scale.view(x.shape[:-1])
+
+
+def _tma_ok(k: torch.Tensor, B: int, T: int) -> bool:
+    """Whether k [B, T, Di] can be read as one [B * T, Di] tensor-map (16-byte aligned rows)."""
+    e = k.element_size()
+    return (
+        k.stride(2) == 1 and (B == 1 or k.stride(0) == T * k.stride(1)) and (k.stride(1) * e) % 16 == 0
+        and k.data_ptr() % 16 == 0 and k.shape[2] * e >= 16
+    )
 
 
 def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_seqlens=None, config=None):
@@ -330,6 +501,17 @@ def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_s
     if T * G >= 2**31 - block_m:
         raise ValueError(f"index_topk: T * G = {T * G} rows exceed the kernel's int32 row index")
 
+    lanes = int(cfg.get("LANES", 1))
+    if lanes not in (1, 4):
+        raise ValueError(f"index_topk config: LANES must be 1 or 4, got {lanes}")
+    use_tma = bool(cfg.get("TMA", False)) and _tma_ok(k, B, T)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k2 = k.as_strided((B * T, Di), (k.stride(1), 1))
+        k_desc = TensorDescriptor(k2, [B * T, Di], [k.stride(1), 1], [block_n, block_d])
+    else:
+        k_desc = k  # unused
     if fp8:
         ks = k_scale.float()
         stride_ksb, stride_kst = ks.stride(0), ks.stride(1)
@@ -348,7 +530,7 @@ def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_s
         n_tiles = tiles.shape[0]
         grid = (n_tiles,)
     args = [
-        q, k, ks, out, tiles, cu,
+        q, k, k_desc, ks, out, tiles, cu,
         T, B, n_tiles,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         k.stride(0), k.stride(1), k.stride(2),
@@ -359,10 +541,11 @@ def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_s
     constexprs = dict(
         G=G, DI=Di, BS=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NSUB=nsub,
-        HAS_PAD=nsub * block_n != block_size, TOPK=topk, SKIP=bool(cfg.get("SKIP", True)),
+        HAS_PAD=nsub * block_n != block_size, TOPK=topk, SKIP=bool(cfg.get("SKIP", lanes == 1)),
         VARLEN=cu_seqlens is not None, USE_KSCALE=fp8,
         DOT_F32=interpret_mode() and q.dtype == torch.bfloat16,
         TF32X3=q.dtype == torch.float32,
+        LANES=lanes, SHFL_ASM=lanes == 4 and not interpret_mode(), TMA=use_tma,
     )
     options = dict(num_warps=int(cfg["num_warps"]), num_stages=num_stages)
     return out, grid, args, constexprs, options
@@ -414,9 +597,13 @@ def compile_for(q, k, k_scale=None, *, capability: int = 90, **kw):
     _, _, args, constexprs, options = _prepare(q, k, k_scale, **kw)
     names = _index_topk_kernel.arg_names
     sig, consts, attrs = {}, {}, {}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     for name, val in zip(names, args):
         i = names.index(name)
-        if isinstance(val, torch.Tensor):
+        if isinstance(val, TensorDescriptor):
+            sig[name] = f"tensordesc<{_TRITON_DTYPES[val.base.dtype]}[{', '.join(map(str, val.block_shape))}]>"
+        elif isinstance(val, torch.Tensor):
             sig[name] = "*" + _TRITON_DTYPES[val.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif val == 1:

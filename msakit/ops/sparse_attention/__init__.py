@@ -1,4 +1,10 @@
-"""`sparse_attention`: attention restricted to the selected key blocks of each (group, query)."""
+"""`sparse_attention`: attention restricted to the selected key blocks of each (group, query).
+
+Backends (see `.._dispatch`): the KV-outer Triton kernels of `triton.py` (forward and backward,
+registered as the custom ops ``msakit::sparse_attention_fwd`` / ``msakit::sparse_attention_bwd``
+with fake implementations and autograd, so they work under torch.compile) or the PyTorch
+reference of `reference.py` (the meaning).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,114 @@ import math
 import torch
 
 from .._checks import check_block_idx, check_positive_int, check_qkv, check_scale
-from .reference import sparse_attention_reference
+from .._dispatch import use_triton, warn_once
+from .reference import sparse_attention_reference, sparse_attention_varlen_reference
 
-__all__ = ["sparse_attention", "sparse_attention_reference"]
+__all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_varlen_reference", "SparseAttentionFunction"]
+
+
+def _kernels():
+    from . import triton as kernels  # imported lazily: triton may be missing on CPU-only hosts
+
+    return kernels
+
+
+# ------------------------------------------------------------------------------ custom ops
+_FWD_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor block_idx, Tensor? cu_seqlens, int block_size, float scale) -> (Tensor, Tensor)"
+_BWD_SCHEMA = (
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? dlse, Tensor block_idx, "
+    "Tensor? cu_seqlens, int block_size, float scale) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _fwd_impl(q, k, v, block_idx, cu_seqlens, block_size, scale):
+    return _kernels().sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
+
+
+def _fwd_fake(q, k, v, block_idx, cu_seqlens, block_size, scale):
+    B, T, Hq, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, T), dtype=torch.float32)
+
+
+def _bwd_impl(do, q, k, v, o, lse, dlse, block_idx, cu_seqlens, block_size, scale):
+    return _kernels().sparse_attention_bwd_triton(do, q, k, v, o, lse, dlse, block_idx, cu_seqlens, block_size, scale)
+
+
+def _bwd_fake(do, q, k, v, o, lse, dlse, block_idx, cu_seqlens, block_size, scale):
+    f = torch.contiguous_format
+    return torch.empty_like(q, memory_format=f), torch.empty_like(k, memory_format=f), torch.empty_like(v, memory_format=f)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, block_idx, cu_seqlens, block_size, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, block_idx, cu_seqlens)
+    ctx.block_size, ctx.scale = block_size, scale
+    ctx.set_materialize_grads(False)  # an unused lse (or o) gives None, not a tensor of zeros
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, block_idx, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _bwd_op(do, q, k, v, o, lse, dlse, block_idx, cu_seqlens, ctx.block_size, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    """The same autograd as the custom op, for torch builds without `torch.library.custom_op`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_idx, cu_seqlens, block_size, scale):
+        o, lse = _fwd_impl(q, k, v, block_idx, cu_seqlens, block_size, scale)
+        _setup_context(ctx, (q, k, v, block_idx, cu_seqlens, block_size, scale), (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _backward(ctx, do, dlse)
+
+
+def _register():
+    lib = getattr(torch, "library", None)
+    if lib is None or not hasattr(lib, "custom_op"):
+        return None, None
+    try:
+        fwd = lib.custom_op("msakit::sparse_attention_fwd", _fwd_impl, mutates_args=(), schema=_FWD_SCHEMA)
+        bwd = lib.custom_op("msakit::sparse_attention_bwd", _bwd_impl, mutates_args=(), schema=_BWD_SCHEMA)
+        fwd.register_fake(_fwd_fake)
+        bwd.register_fake(_bwd_fake)
+        fwd.register_autograd(_backward, setup_context=_setup_context)
+    except RuntimeError:  # already registered (module re-imported): use the registered ops
+        ns = torch.ops.msakit
+        return ns.sparse_attention_fwd, ns.sparse_attention_bwd
+    return fwd, bwd
+
+
+_fwd_op, _bwd_custom = _register()
+
+
+def _bwd_op(*args):
+    if _bwd_custom is not None:
+        return _bwd_custom(*args)
+    return _bwd_impl(*args)
+
+
+# ------------------------------------------------------------------------------ public op
+def _check_cu_seqlens(cu_seqlens: object, B: int, T: int, device: torch.device) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with ndocs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens, q must be packed as [1, total, Hq, D], got batch {B}")
+    c = cu_seqlens.long()
+    if int(c[0]) != 0 or int(c[-1]) != T or bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"cu_seqlens must rise from 0 to total={T} without decreasing, got {cu_seqlens.tolist()}")
 
 
 def sparse_attention(
@@ -21,6 +132,8 @@ def sparse_attention(
     block_size: int = 128,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
 ):
     """Block-sparse causal GQA attention.
 
@@ -28,11 +141,28 @@ def sparse_attention(
     `block_size` tokens, -1 = none).  Head h of group r = h // (Hq // G) at query i attends the
     tokens j <= i of the blocks block_idx[b, r, i].  Returns o [B, T, Hq, D] in q's dtype and,
     with return_lse, lse [B, Hq, T] float32 (natural log; -inf for a row selecting nothing).
+
+    cu_seqlens: int32 [ndocs + 1] for a packed variable-length batch (B = 1, T = total): the
+    documents [cu_seqlens[d], cu_seqlens[d+1]) attend only inside themselves and their block
+    ids count from each document's start.  backend: "auto" | "triton" | "reference"
+    (`msakit.ops._dispatch`).  Differentiable in q, k, v (and through lse).
     """
     B, T, Hq, G, D = check_qkv(q, k, v)
     check_positive_int("block_size", block_size)
     check_block_idx(block_idx, B, G, T, block_size, q.device)
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
-    return sparse_attention_reference(
-        q, k, v, block_idx, block_size=block_size, softmax_scale=scale, return_lse=return_lse
-    )
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    if use_triton("sparse_attention", backend, q.device):
+        why = _kernels().kernel_supports(q.dtype, D, block_size, q.device)
+        if why is None:
+            args = (q, k, v, block_idx, cu_seqlens, int(block_size), float(scale))
+            o, lse = _fwd_op(*args) if _fwd_op is not None else SparseAttentionFunction.apply(*args)
+            return (o, lse) if return_lse else o
+        if backend == "triton":
+            raise ValueError(f"backend='triton' for sparse_attention does not take {why}")
+        warn_once(f"sparse_attention:{why}", f"msakit: sparse_attention falls back to the PyTorch reference for {why}")
+    kw = dict(block_size=block_size, softmax_scale=scale, return_lse=return_lse)
+    if cu_seqlens is not None:
+        return sparse_attention_varlen_reference(q, k, v, block_idx, cu_seqlens, **kw)
+    return sparse_attention_reference(q, k, v, block_idx, **kw)

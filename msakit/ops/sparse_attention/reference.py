@@ -30,7 +30,8 @@ def _chunk(q, k, v, bidx, row0: int, block_size: int, scale: float):
     qc = q.to(cdt).view(B, C, G, Hq // G, D).permute(0, 2, 1, 3, 4)  # [B, G, C, hpg, D]
     s = torch.einsum("bgchd,bgcld->bgchl", qc, kc) * scale
     p, denom, m = masked_softmax_parts(s, valid.unsqueeze(3))
-    o = torch.einsum("bgchl,bgcld->bgchd", p, vc) / denom.clamp_min(torch.finfo(cdt).tiny)
+    # denom >= 1 on any row with a token (p = exp(s - max)); clamping at 1 keeps empty rows NaN-free
+    o = torch.einsum("bgchl,bgcld->bgchd", p, vc) / denom.clamp_min(1.0)
     lse = (m + torch.log(denom)).squeeze(-1)  # [B, G, C, hpg]
     o = o.permute(0, 2, 1, 3, 4).reshape(B, C, Hq, D)
     lse = lse.permute(0, 1, 3, 2).reshape(B, Hq, C)
@@ -65,4 +66,41 @@ def sparse_attention_reference(
     o = torch.cat(outs, dim=1).to(q.dtype)
     if return_lse:
         return o, torch.cat(lses, dim=2).float()
+    return o
+
+
+def sparse_attention_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int = 128,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Packed variable-length batch: documents d = [cu_seqlens[d], cu_seqlens[d+1]) of
+    q [1, total, Hq, D], k/v [1, total, G, D], block_idx [1, G, total, topk].
+
+    Block ids are relative to each document's start (block b of document d covers the tokens
+    cu_seqlens[d] + b*block_size ...), and no token attends outside its document.  Each
+    document is exactly `sparse_attention_reference` on its own slice.
+    """
+    D = q.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    outs, lses = [], []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e <= s:
+            continue
+        o, lse = sparse_attention_reference(
+            q[:, s:e], k[:, s:e], v[:, s:e], block_idx[:, :, s:e],
+            block_size=block_size, softmax_scale=scale, return_lse=True,
+        )
+        outs.append(o)
+        lses.append(lse)
+    o = torch.cat(outs, dim=1)
+    if return_lse:
+        return o, torch.cat(lses, dim=2)
     return o

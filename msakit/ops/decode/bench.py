@@ -1,0 +1,385 @@
+"""GPU correctness check and benchmark of `msa_decode` (for the lead's GPU run; CUDA only).
+
+    from msakit.ops.decode.bench import graph_check, bench_case, tune, run
+    graph_check()        # eager Triton vs reference, CUDA-graph capture / replay vs eager
+    run()                # the table of benchmarks/decode.py (M3 layer, B x context, bf16 / fp8 index keys)
+
+Shape: one layer of M3 (Hq 64, G 4, D 128, Di 128, page = block 128, top-16), bf16 K/V, index
+keys bf16 or fp8 e4m3 (+ float32 per-token scales).  Baseline: dense decode through
+`scaled_dot_product_attention`, the 16 query heads of a group packed as 16 query rows over that
+group's K and V (batch * G as the batch dim, non-causal: one new token).  Floor: the bytes
+msakit must read (all index keys + top-k blocks of K and V per group) over READ_BW.
+
+Timing: each measured call is captured in a CUDA graph (decode runs in graphs), 10 calls per
+graph; "cold" numbers put a 256 MiB L2 flush before every call and subtract the flush alone
+(what a layer sees after the other layers ran), "hot" ones run back to back.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from .reference import FP8, PagedLayer
+
+HQ, G, D, DI, PS, TOPK = 64, 4, 128, 128, 128, 16
+READ_BW = 4.16e12  # measured H200 read bandwidth (bytes / s)
+REPS_IN_GRAPH = 10
+
+
+# ------------------------------------------------------------------------------------- timing
+_FLUSH = {}
+
+
+def _flush_fn():
+    if "buf" not in _FLUSH:
+        _FLUSH["buf"] = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    buf = _FLUSH["buf"]
+    return lambda: buf.zero_()
+
+
+def graph_ms(fn, *, flush: bool = False, reps: int = REPS_IN_GRAPH, replays: int = 20) -> float:
+    """Median ms per call of fn() captured `reps` times in one CUDA graph (minus the L2 flush
+    when flush=True)."""
+    fl = _flush_fn() if flush else None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            if fl:
+                fl()
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            if fl:
+                fl()
+            fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    times.sort()
+    t = times[len(times) // 2]
+    del g
+    if flush:
+        t -= graph_ms(lambda: None, flush=True, reps=reps, replays=replays)
+    return t
+
+
+# ------------------------------------------------------------------------------------- inputs
+def make_pools(B: int, N: int, *, idx: str = "bf16", device: str = "cuda", seed: int = 0, kv: PagedLayer | None = None):
+    """Random M3 pools for B sequences of N tokens (pages in a random physical order).  Pass kv=
+    to reuse the K / V pools of an earlier call (only the index keys are regenerated)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    npg = -(-N // PS)
+    P = B * npg
+    if kv is None:
+        k = torch.randn(P, G, PS, D, device=device, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(P, G, PS, D, device=device, dtype=torch.bfloat16, generator=g)
+    else:
+        k, v = kv.k, kv.v
+    if idx == "fp8":
+        ki = torch.empty(P, PS, DI, device=device, dtype=FP8)
+        ks = torch.empty(P, PS, device=device, dtype=torch.float32)
+        step = 4096
+        for p0 in range(0, P, step):
+            x = torch.randn(min(step, P - p0), PS, DI, device=device, generator=g)
+            amax = x.abs().amax(-1, keepdim=True)
+            sc = (amax / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+            ki[p0:p0 + x.shape[0]] = (x / sc).clamp(-448, 448).to(FP8)
+            ks[p0:p0 + x.shape[0]] = sc.squeeze(-1)
+        pools = PagedLayer(k=k, v=v, k_idx=ki, k_idx_scale=ks)
+    else:
+        ki = torch.randn(P, PS, DI, device=device, dtype=torch.bfloat16, generator=g)
+        pools = PagedLayer(k=k, v=v, k_idx=ki)
+    perm = torch.randperm(P, device=device, generator=g).to(torch.int32)
+    page_table = perm.view(B, npg).contiguous()
+    seq_lens = torch.full((B,), N, dtype=torch.int32, device=device)
+    return pools, page_table, seq_lens
+
+
+def floor_bytes(B: int, N: int, idx: str = "bf16") -> int:
+    per_tok = DI * (1 if idx == "fp8" else 2) + (4 if idx == "fp8" else 0)
+    kv = G * min(TOPK, -(-N // PS)) * PS * D * 2 * 2
+    return B * (N * per_tok + kv)
+
+
+def dense_ms(B: int, N: int, *, device: str = "cuda", flush: bool = True) -> dict:
+    """Dense decode through SDPA: q [B*G, 1, 16, D] over that group's K / V [B*G, 1, N, D]."""
+    hpg = HQ // G
+    q = torch.randn(B * G, 1, hpg, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(B * G, 1, N, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(B * G, 1, N, D, device=device, dtype=torch.bfloat16)
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    out = {"dense_ms": graph_ms(fn, flush=flush), "dense_hot_ms": graph_ms(fn)}
+    out["dense_GBps"] = 2 * k.numel() * 2 / out["dense_ms"] / 1e6
+    del q, k, v
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, plan_kw: dict | None = None,
+               flush: bool = True, detail: bool = True) -> dict:
+    """Times msa_decode (CUDA graph, cold and hot) and its selection phase alone."""
+    from . import msa_decode, plan_decode
+    from .triton import launch
+
+    own = pools is None
+    if own:
+        pools, page_table, seq_lens = make_pools(B, N, idx=idx)
+    else:
+        pools, page_table, seq_lens = pools
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(B, nq, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    qi = torch.randn(B, nq, G, DI, device="cuda", dtype=torch.bfloat16, generator=g)
+    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK, **(plan_kw or {}))
+    fn = lambda: msa_decode(q, qi, pools, page_table, seq_lens, plan=plan)  # noqa: E731
+    sel = lambda: launch(plan, q, qi, pools, page_table, seq_lens, 1 / math.sqrt(D), False, phases="select")  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    row = {"B": B, "N": N, "idx": idx, "nq": nq, "splits": plan.score_splits, "attn_splits": plan.attn_splits,
+           "fused_select": plan.fused_select, "pdl": plan.pdl, "score_stages": plan.score_stages,
+           "score_warps": plan.score_warps}
+    row["msa_ms"] = graph_ms(fn, flush=flush)
+    row["floor_ms"] = floor_bytes(B, N, idx) / READ_BW * 1e3
+    row["vs_floor"] = row["msa_ms"] / row["floor_ms"]
+    if detail:
+        row["msa_hot_ms"] = graph_ms(fn)
+        row["select_ms"] = graph_ms(sel, flush=flush)
+        idx_bytes = B * N * (DI * (1 if idx == "fp8" else 2) + (4 if idx == "fp8" else 0))
+        row["select_GBps"] = idx_bytes / row["select_ms"] / 1e6
+    if own:
+        del pools, page_table, seq_lens
+        torch.cuda.empty_cache()
+    return row
+
+
+def _outputs(case, plan_kw: dict, nq: int = 1, graph: bool = True):
+    """(o, block_idx) of one msa_decode call, eager and (graph=True) replayed from a CUDA graph."""
+    from . import msa_decode, plan_decode
+
+    pools, page_table, seq_lens = case
+    B = page_table.shape[0]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(B, nq, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    qi = torch.randn(B, nq, G, DI, device="cuda", dtype=torch.bfloat16, generator=g)
+    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK, **plan_kw)
+    step = lambda: msa_decode(q, qi, pools, page_table, seq_lens, plan=plan, return_block_idx=True)  # noqa: E731
+    o, bi = step()
+    res = [(o.clone(), bi.clone())]
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            go, gbi = step()
+        cg.replay()
+        torch.cuda.synchronize()
+        res.append((go.clone(), gbi.clone()))
+        del cg
+    return res
+
+
+def same_outputs(case, kw_a: dict, kw_b: dict, nq: int = 1) -> bool:
+    """Both launch configurations give bitwise-equal outputs, eager and under graph replay."""
+    ref = _outputs(case, kw_a, nq, graph=False)[0]
+    return all(torch.equal(o, ref[0]) and torch.equal(bi, ref[1]) for o, bi in _outputs(case, kw_b, nq))
+
+
+def tune(B: int = 1, N: int = 1 << 20, idx: str = "bf16") -> list[dict]:
+    """A small sweep of the scoring launch (programs per SM x stages x warps), then the best one
+    with the unfused selection merge and with programmatic dependent launch (pdl=True, kept
+    only when its outputs equal the default's, eager and under graph replay)."""
+    case = make_pools(B, N, idx=idx)
+    rows = []
+
+    def show(r):
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+
+    # num_stages: 3 keeps one index-key page in flight per program besides the one being scored
+    # (the page-table indirection takes a stage), 5 keeps two (Triton 3.6's pipeliner, checked
+    # on the sm_90 TTGIR); more programs per SM is the other way to put more bytes in flight.
+    for pps in (1, 2, 3, 4):
+        for stages in (3, 5):
+            for warps in (4, 8):
+                kw = dict(score_programs_per_sm=pps, score_stages=stages, score_warps=warps)
+                try:
+                    r = bench_case(B, N, idx=idx, pools=case, plan_kw=kw, detail=False)
+                except Exception as e:  # e.g. out of shared memory for a config
+                    r = {"B": B, "N": N, "idx": idx, "error": repr(e)[:300], "msa_ms": float("inf"),
+                         "score_stages": stages, "score_warps": warps, "fused_select": True, "pdl": False}
+                r.update(programs_per_sm=pps, pdl=False)
+                rows.append(r)
+                show(r)
+    best = min(rows, key=lambda r: r["msa_ms"])
+    base = dict(score_programs_per_sm=best["programs_per_sm"], score_stages=best["score_stages"],
+                score_warps=best["score_warps"])
+    for extra in (dict(fused_select=False), dict(pdl=True)):
+        kw = dict(base, **extra)
+        try:
+            ok = same_outputs(case, base, kw)
+            r = bench_case(B, N, idx=idx, pools=case, plan_kw=kw)
+            r.update(same_outputs=ok)
+        except Exception as e:
+            r = {"B": B, "N": N, "idx": idx, "error": repr(e)[:300], "msa_ms": float("inf"), "same_outputs": False}
+        r.update(programs_per_sm=best["programs_per_sm"], pdl=bool(extra.get("pdl", False)))
+        rows.append(r)
+        show(r)
+    del case
+    torch.cuda.empty_cache()
+    return rows
+
+
+def best_plan_kw(rows: list[dict]) -> dict:
+    """The fastest fused configuration of a tune() sweep (with pdl when it was correct and faster)."""
+    ok = [r for r in rows if r.get("fused_select", True) and "error" not in r and r.get("same_outputs", True)]
+    best = min(ok, key=lambda r: r["msa_ms"])
+    kw = dict(score_programs_per_sm=best["programs_per_sm"], score_stages=best["score_stages"],
+              score_warps=best["score_warps"])
+    if best.get("pdl"):
+        kw["pdl"] = True
+    return kw
+
+
+def _fits(nbytes: int) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    return nbytes < 0.92 * free
+
+
+def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: int = 1, plan_kw: dict | None = None) -> list[dict]:
+    rows = []
+    for N in Ns:
+        for B in Bs:
+            dense = {}
+            dense_bytes = B * G * N * D * 2 * 2
+            if _fits(int(dense_bytes * 1.05)):
+                dense = dense_ms(B, N)
+            kv_bytes = B * -(-N // PS) * PS * G * D * 2 * 2
+            idx_bytes = B * N * DI * 2
+            if not _fits(int((kv_bytes + idx_bytes) * 1.05)):
+                print(f"skip B={B} N={N}: {(kv_bytes + idx_bytes) / 2**30:.1f} GiB does not fit", flush=True)
+                continue
+            kv = None
+            for idx in idxs:
+                case = make_pools(B, N, idx=idx, kv=kv)
+                kv = PagedLayer(k=case[0].k, v=case[0].v)
+                r = bench_case(B, N, idx=idx, nq=nq, pools=case, plan_kw=plan_kw)
+                r.update(dense)
+                if dense:
+                    r["speedup"] = dense["dense_ms"] / r["msa_ms"]
+                rows.append(r)
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+                del case
+                torch.cuda.empty_cache()
+            del kv
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------- checks
+def graph_check(small: bool = False, device: str = "cuda") -> dict:
+    """Eager Triton vs the reference, and CUDA-graph capture / replay vs eager (also after the
+    lengths, the page tables and the queries change), for bf16 and fp8 index keys, nq 1 and 4,
+    fused and unfused selection merges.  Returns {"ok": bool, "cases": [...]}."""
+    from msakit.cache import PagedKVCache
+
+    from . import msa_decode, msa_decode_reference, plan_decode
+
+    lens = [300, 2100, 129, 0] if small else [1000, 20000, 5000, 130, 0]
+    cases = []
+    ok = True
+    for idx in ("bf16", "fp8"):
+        torch.manual_seed(0)
+        need = sum(-(-(L + 16) // PS) for L in lens) + 8
+        cache = PagedKVCache(1, need, num_kv_heads=G, head_dim=D, index_dim=DI, page_size=PS,
+                             kv_dtype=torch.bfloat16, index_dtype=FP8 if idx == "fp8" else torch.bfloat16, device=device)
+        random.Random(0).shuffle(cache._free)  # scattered physical pages
+        sids = []
+        for L in lens:
+            s = cache.allocate()
+            if L:
+                cache.prefill(s, torch.randn(L, G, D, device=device), torch.randn(L, G, D, device=device),
+                              torch.randn(L, DI, device=device))
+            sids.append(s)
+        width = max(len(cache.pages(s)) for s in sids) + 2
+        pools = cache.layer(0)
+        live = [s for s, L in zip(sids, lens) if L]
+        for nq in (1, 4):
+            for fused in (True, False):
+                meta = cache.decode_metadata(sids, width=width)
+                B = len(sids)
+                plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=width, topk=TOPK, fused_select=fused,
+                                   seq_lens=meta.seq_lens_host, page_table=meta.page_table_host)
+                qs = torch.randn(B, nq, HQ, D, device=device, dtype=torch.bfloat16)
+                qis = torch.randn(B, nq, G, DI, device=device, dtype=torch.bfloat16)
+
+                def step():
+                    return msa_decode(qs, qis, pools, meta.page_table, meta.seq_lens, plan=plan, return_lse=True,
+                                      return_block_idx=True)
+
+                rec = {"idx": idx, "nq": nq, "fused": fused}
+                for phase in ("first", "grown"):
+                    o, lse, bi = step()
+                    o, lse, bi = o.clone(), lse.clone(), bi.clone()
+                    ro, rlse, rbi = msa_decode_reference(qs, qis, pools, meta.page_table, meta.seq_lens_host, topk=TOPK)
+                    same = _set_agreement(bi, rbi)
+                    err = float((o.float() - ro.float()).abs().max())
+                    lerr = float((lse - rlse)[torch.isfinite(rlse)].abs().max())
+                    if phase == "first":
+                        g = torch.cuda.CUDAGraph()
+                        s = torch.cuda.Stream()
+                        s.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(s):
+                            step()
+                        torch.cuda.current_stream().wait_stream(s)
+                        with torch.cuda.graph(g):
+                            go, glse, gbi = step()
+                    g.replay()
+                    torch.cuda.synchronize()
+                    graph_equal = bool(torch.equal(go, o) and torch.equal(gbi, bi) and torch.equal(glse, lse))
+                    counters_zero = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all())
+                    rec[phase] = dict(selection_agreement=same, o_max_err=err, lse_max_err=lerr,
+                                      graph_equals_eager=graph_equal, counters_zero=counters_zero)
+                    ok &= same >= 0.995 and err < 5e-2 and lerr < 1e-2 and graph_equal and (counters_zero or not fused)
+                    if phase == "first":
+                        # grow every live sequence by nq + 5 tokens, new queries, refill the static metadata
+                        for sid in live:
+                            n = nq + 5
+                            cache.append(sid, torch.randn(n, G, D, device=device), torch.randn(n, G, D, device=device),
+                                         torch.randn(n, DI, device=device))
+                        cache.decode_metadata(sids, out=meta)
+                        qs.copy_(torch.randn_like(qs))
+                        qis.copy_(torch.randn_like(qis))
+                del g
+                cases.append(rec)
+                print(rec, flush=True)
+    res = {"ok": bool(ok), "cases": cases}
+    try:  # programmatic dependent launch (optional, plan_decode(pdl=True)): same outputs?
+        case = make_pools(2, 20000 if not small else 3000, idx="bf16")
+        res["pdl_same_outputs"] = {f"nq={nq}": same_outputs(case, {}, {"pdl": True}, nq) for nq in (1, 4)}
+        del case
+    except Exception as e:
+        res["pdl_same_outputs"] = repr(e)[:300]
+    print("pdl:", res["pdl_same_outputs"], flush=True)
+    return res
+
+
+def _set_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.cpu(), b.cpu()
+    hit = tot = 0
+    for x, y in zip(a.reshape(-1, a.shape[-1]).tolist(), b.reshape(-1, b.shape[-1]).tolist()):
+        sx, sy = {t for t in x if t >= 0}, {t for t in y if t >= 0}
+        hit += len(sx & sy)
+        tot += max(len(sx), len(sy))
+    return hit / max(tot, 1)

@@ -1,0 +1,429 @@
+"""Triton kernels of `msa_decode` (batched, split-K, no host sync, CUDA-graph capturable).
+
+Three launches per call (plus two small merge launches when `fused_select=False`):
+
+1. `_score_kernel`, grid (S, B): split s of sequence b scores the pages
+   [s * n / S, (s + 1) * n / S) of its n = ceil(L / page_size) pages.  One read of an
+   index-key page [page_size, Di] serves every (query, group) row at once: the nq * G index
+   queries are the rows of one [MP, Di] tile (MP = nq * G padded to 16), S = Q @ K^T on the
+   tensor cores, causal mask, block max.  Each row keeps a running top-KP list of its split in
+   registers as packed int64 keys (value bits << 32 | (2^31 - 1 - block)): the max key is the
+   highest score and, among equal scores, the lowest block id -- the ranking of index_topk.
+   Forced blocks score +inf, blocks past the row's own block -inf.
+   At the end the list is sorted (ascending for even splits, descending for odd ones) and goes
+   to a small buffer cand [B, S, MR, KP] (MR = nq * G padded to a power of 2).
+   Selection merge (fused, "last arriver"): splits form clusters of CL; the last split of a
+   cluster to finish (an atomic counter, acq_rel, after a CTA barrier) merges the cluster's
+   CL lists into one (cand2 [B, NC, MR, KP]); the last cluster of a sequence merges the NC
+   cluster lists into the final selection block_idx [B, G, nq, topk] (descending score, forced
+   first, -1 padded).  The merges are tl.topk's bitonic merge-and-halve stages on the presorted
+   lists (no serial rounds).  The counters return to 0 for the next call.  With
+   fused_select=False the same two merges run as two small kernels instead.
+2. `_attn_kernel`, grid (NSA, G * NQC, B): the (query-chunk, group) rows -- the hpg heads of
+   the group times the chunk's queries, M = hpg * QC rows padded to 16 -- attend the union
+   of the chunk's selected blocks; split a of NSA takes a contiguous share of the chunk's
+   flattened (query, slot) selection entries, skipping -1 and any block already listed by an
+   earlier entry, and masks the rows of queries that did not select the block (and causally
+   per token).  Writes a normalized partial output and its log2-sum-exp per row.
+3. `_combine_kernel`, grid (QC * hpg, G * NQC, B): LSE merge of the NSA partials.
+
+Everything reads the lengths from device memory; grids depend on shapes only (batch, nq,
+the page-table width through the plan), so one capture serves every replay.  With the plan's
+pdl=True, kernels 2 and 3 use programmatic dependent launch (their CTAs start during the
+previous grid's tail and wait in griddepcontrol.wait before reading its output).
+
+Checked without a GPU: every kernel compiles for sm_90 (Triton 3.6, ptxas) at the M3 shape
+without register spills except a few bytes in the nq = 8 scoring kernel; the index-key tile
+load of the scoring loop is software-pipelined (cp.async, one page in flight per program at
+num_stages 3, two at 5).
+"""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.standard import _bitonic_merge_hypercube, _log2  # tl.topk's own building blocks
+
+from .._dispatch import interpret_mode
+
+FP8 = torch.float8_e4m3fn
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+NEG_INF_KEY = tl.constexpr(-2139095041)  # float -inf (0xff800000) mapped to its ordered int32 key
+INT64_MIN = tl.constexpr(-(2**63))
+LN2_C = tl.constexpr(LN2)
+
+
+def _dot_code(a: torch.dtype, b: torch.dtype) -> int:
+    """0: bf16 tensor-core dots, 1: fp16, 2: fp32 (IEEE).  fp8 pools decode exactly into the
+    query's 16-bit type."""
+    b = a if b == FP8 else b
+    if a == b == torch.bfloat16:
+        # the Triton 3.6 interpreter computes bf16 x bf16 dots wrongly; bf16 -> fp32 is exact and
+        # fp32 IEEE dots of the upcast values equal bf16 tensor-core dots up to summation order
+        return 2 if interpret_mode() else 0
+    if a == b == torch.float16:
+        return 1
+    return 2
+
+
+@triton.jit
+def _to_dot(x, CODE: tl.constexpr):
+    if CODE == 0:
+        y = x.to(tl.bfloat16)
+    elif CODE == 1:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _dot(a, b, CODE: tl.constexpr):
+    if CODE == 2:
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _pack(val, blk):
+    """fp32 score + int32 block id -> int64 key ordered by (score desc, block asc)."""
+    val = tl.where(val == 0.0, 0.0, val)  # -0.0 ties with +0.0, as in the reference's sort
+    bits = val.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (key.to(tl.int64) << 32) | (2147483647 - blk).to(tl.int64)
+
+
+@triton.jit
+def _topk_of_sorted_chunks(x, K: tl.constexpr):
+    """Top-K per row of x [R, W] (descending) when every K-chunk of a row is already sorted,
+    ascending for even chunks and descending for odd ones -- the state tl.topk reaches after its
+    first log2(K) bitonic stages, so only its merge-and-halve stages run here (about a third of
+    the work of a full tl.topk for W = 16 K).  Same algorithm and helpers as tl.topk."""
+    log_n: tl.constexpr = _log2(x.shape[1])
+    log_k: tl.constexpr = _log2(K)
+    h = tl.reshape(x, [2] * _log2(x.numel))
+    if log_k == log_n:  # a single (ascending) chunk: one bitonic merge sorts it descending
+        h = _bitonic_merge_hypercube(h, log_k, 1)
+    for i in tl.static_range(log_k + 1, log_n + 1):
+        h = tl.max(h, axis=(_log2(h.numel) - 1 - log_k))
+        h = _bitonic_merge_hypercube(h, log_k, 2 if i < log_n else 1)
+    return tl.reshape(h, [x.shape[0], K])
+
+
+@triton.jit
+def _alt_sorted(keys, desc):
+    """keys [R, KP] sorted along the last dim, ascending or (desc, a runtime flag) descending."""
+    asc = tl.sort(keys, dim=1)
+    return tl.where(desc, tl.flip(asc, 1), asc)
+
+
+@triton.jit
+def _merge(src_ptr, src_base, n_lists, dst_ptr, dst_base, b, dst_desc, FINAL: tl.constexpr,
+           NQ: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, MR: tl.constexpr, KP: tl.constexpr,
+           NL: tl.constexpr, RB: tl.constexpr):
+    """Top-KP keys per row of the union of `n_lists` (<= NL) lists [MR, KP] stored contiguously
+    from src_ptr + src_base, list j sorted ascending for even j and descending for odd j
+    (bitonic merges: compare-exchanges in registers and shuffles, no serial rounds), RB rows at a
+    time.  FINAL: decode to block ids and write block_idx [B, G, NQ, TOPK] (-1 padded, valid
+    ids first in descending score) for sequence b; else write the merged list [MR, KP] at
+    dst_ptr + dst_base, sorted descending if dst_desc else ascending."""
+    x = tl.arange(0, NL * KP)
+    lst = x // KP
+    kcol = tl.arange(0, KP)
+    for r0 in tl.static_range(0, MR, RB):
+        m = r0 + tl.arange(0, RB)
+        off = src_base + (lst[None, :] * MR + m[:, None]).to(tl.int64) * KP + (x % KP)[None, :]
+        keys = tl.load(src_ptr + off, mask=(lst < n_lists)[None, :], other=INT64_MIN, cache_modifier=".cg")
+        top = _topk_of_sorted_chunks(keys, KP)  # [RB, KP], descending
+        if FINAL:
+            hi64 = top >> 32
+            blk = (2147483647 - (top - (hi64 << 32))).to(tl.int32)
+            blk = tl.where(hi64.to(tl.int32) > NEG_INF_KEY, blk, -1)
+            i_m = m // G
+            r_m = m % G
+            o = ((b.to(tl.int64) * G + r_m[:, None]) * NQ + i_m[:, None]) * TOPK + kcol[None, :]
+            tl.store(dst_ptr + o, blk, mask=(m < NQ * G)[:, None] & (kcol < TOPK)[None, :])
+        else:
+            top = tl.where(dst_desc, top, tl.flip(top, 1))
+            tl.store(dst_ptr + dst_base + m[:, None].to(tl.int64) * KP + kcol[None, :], top)
+
+
+@triton.jit
+def _score_kernel(
+    qi_ptr, kidx_ptr, kscale_ptr, pt_ptr, pt_stride, sl_ptr,
+    cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr,
+    S, NC,
+    NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, IDX_FP8: tl.constexpr, CODE: tl.constexpr,
+    FUSED: tl.constexpr, CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        gdc_launch_dependents()  # the attention grid may be scheduled; it waits for us in gdc_wait
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    L = tl.load(sl_ptr + b)
+    npg = (L + PS - 1) // PS
+    p0 = ((s * npg.to(tl.int64)) // S).to(tl.int32)
+    p1 = (((s + 1) * npg.to(tl.int64)) // S).to(tl.int32)
+
+    m = tl.arange(0, MP)
+    i_m = m // G
+    pos = L - NQ + i_m  # position of the row's query; negative only for invalid input / padding
+    own = tl.where(pos >= 0, pos // PS, -1)
+    d = tl.arange(0, DI)
+    t = tl.arange(0, PS)
+    q = tl.load(qi_ptr + (b64 * (NQ * G) + m[:, None]) * DI + d[None, :], mask=(m < NQ * G)[:, None], other=0.0)
+    q = _to_dot(q, CODE)
+    kcol = tl.arange(0, KP)
+    lst = tl.full([MP, KP], INT64_MIN, tl.int64)
+    for p in tl.range(p0, p1, num_stages=NUM_STAGES):
+        phys = tl.load(pt_ptr + b64 * pt_stride + p).to(tl.int64)
+        ktt = tl.load(kidx_ptr + phys * (PS * DI) + t[None, :] * DI + d[:, None])  # [DI, PS]: K^T
+        sc = _dot(q, _to_dot(ktt, CODE), CODE)  # [MP, PS] fp32
+        if IDX_FP8:
+            ks = tl.load(kscale_ptr + phys * PS + t)
+            sc = sc * ks[None, :]
+        j = p * PS + t
+        sc = tl.where(j[None, :] <= pos[:, None], sc, float("-inf"))
+        bm = tl.max(sc, axis=1)
+        forced = ((p <= own) & (p > own - LOCAL)) | ((p < INIT) & (p <= own))
+        bm = tl.where(forced, float("inf"), bm)
+        bm = tl.where(p <= own, bm, float("-inf"))
+        key = _pack(bm, tl.zeros([MP], tl.int32) + p)  # [MP]
+        cur = tl.min(lst, axis=1)
+        slot = tl.min(tl.where(lst == cur[:, None], kcol[None, :], KP), axis=1)
+        upd = (kcol[None, :] == slot[:, None]) & (key > cur)[:, None]
+        lst = tl.where(upd, key[:, None], lst)
+
+    lst = _alt_sorted(lst, (s % 2) == 1)  # the merges expect even lists ascending, odd descending
+    mrow = tl.arange(0, MP)
+    cbase = (b64 * S + s) * (MR * KP)
+    tl.store(cand_ptr + cbase + mrow[:, None].to(tl.int64) * KP + kcol[None, :], lst, mask=(mrow < MR)[:, None])
+    if FUSED:
+        c = s // CL
+        n_in = tl.minimum(CL, S - c * CL)
+        tl.debug_barrier()  # every thread's candidate stores precede the release below
+        old = tl.atomic_add(cnt1_ptr + b64 * NC + c, 1, sem="acq_rel", scope="gpu")
+        if old == n_in - 1:  # last split of the cluster
+            tl.store(cnt1_ptr + b64 * NC + c, 0)
+            src = (b64 * S + c * CL) * (MR * KP)
+            if NC == 1:
+                _merge(cand_ptr, src, n_in, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP, CL, RB1)
+            else:
+                _merge(cand_ptr, src, n_in, cand2_ptr, (b64 * NC + c) * (MR * KP), b, (c % 2) == 1, False,
+                       NQ, G, TOPK, MR, KP, CL, RB1)
+                tl.debug_barrier()
+                old2 = tl.atomic_add(cnt2_ptr + b, 1, sem="acq_rel", scope="gpu")
+                if old2 == NC - 1:  # last cluster of the sequence
+                    tl.store(cnt2_ptr + b, 0)
+                    _merge(cand2_ptr, b64 * NC * (MR * KP), NC, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP,
+                           NC_PAD, RB2)
+
+
+@triton.jit
+def _merge1_kernel(cand_ptr, cand2_ptr, bidx_ptr, S, NC,
+                   NQ: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, MR: tl.constexpr, KP: tl.constexpr,
+                   CL: tl.constexpr, RB1: tl.constexpr):
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    n_in = tl.minimum(CL, S - c * CL)
+    src = (b64 * S + c * CL) * (MR * KP)
+    if NC == 1:
+        _merge(cand_ptr, src, n_in, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP, CL, RB1)
+    else:
+        _merge(cand_ptr, src, n_in, cand2_ptr, (b64 * NC + c) * (MR * KP), b, (c % 2) == 1, False,
+               NQ, G, TOPK, MR, KP, CL, RB1)
+
+
+@triton.jit
+def _merge2_kernel(cand2_ptr, bidx_ptr, NC,
+                   NQ: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, MR: tl.constexpr, KP: tl.constexpr,
+                   NC_PAD: tl.constexpr, RB2: tl.constexpr):
+    b = tl.program_id(0)
+    _merge(cand2_ptr, b.to(tl.int64) * NC * (MR * KP), NC, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP,
+           NC_PAD, RB2)
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pt_ptr, pt_stride, sl_ptr, bidx_ptr, op_ptr, lp_ptr,
+    qk_scale, NSA,
+    NQ: tl.constexpr, G: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
+    KV_FP8: tl.constexpr, CODE: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        gdc_launch_dependents()
+    s = tl.program_id(0)
+    rc = tl.program_id(1)
+    b = tl.program_id(2)
+    r = rc // NQC
+    qc = rc % NQC
+    b64 = b.to(tl.int64)
+    L = tl.load(sl_ptr + b)
+    npg = (L + PS - 1) // PS
+    E = QC * TOPK  # selection entries of this query chunk
+    eps = (E + NSA - 1) // NSA
+    e0 = s * eps
+    e1 = tl.minimum(e0 + eps, E)
+
+    m = tl.arange(0, MA)
+    li = m // HPG  # query index inside the chunk
+    i_m = qc * QC + li
+    h_m = m % HPG
+    row_ok = (m < QC * HPG) & (i_m < NQ)
+    pos = L - NQ + i_m
+    dd = tl.arange(0, D)
+    t = tl.arange(0, PS)
+    kcol = tl.arange(0, KP)
+    q = tl.load(q_ptr + ((b64 * NQ + i_m[:, None]) * (G * HPG) + r * HPG + h_m[:, None]) * D + dd[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q = _to_dot(q, CODE)
+    if USE_PDL:
+        gdc_wait()  # block_idx comes from the scoring grid
+    sel_base = ((b64 * G + r) * NQ + qc * QC) * TOPK  # this chunk's entries, flattened (query, slot)
+    sel = tl.load(bidx_ptr + sel_base + li[:, None] * TOPK + kcol[None, :],
+                  mask=row_ok[:, None] & (kcol < TOPK)[None, :], other=-1)
+    flat = li[:, None] * TOPK + kcol[None, :]
+
+    m_i = tl.full([MA], float("-inf"), tl.float32)
+    l_i = tl.zeros([MA], tl.float32)
+    acc = tl.zeros([MA, D], tl.float32)
+    for e in range(e0, e1):
+        blk = tl.max(tl.max(tl.where(flat == e, sel, -1), axis=1), axis=0)  # entry e, from registers
+        hit = sel == blk
+        first = tl.min(tl.min(tl.where(hit, flat, E), axis=1), axis=0)
+        if (blk >= 0) & (blk < npg) & (first == e):
+            member = tl.max(hit.to(tl.int32), axis=1) > 0  # rows whose query selected blk
+            phys = tl.load(pt_ptr + b64 * pt_stride + blk).to(tl.int64)
+            j = blk * PS + t
+            tok_ok = j < L
+            kv_off = (phys * G + r) * (PS * D) + t[:, None] * D + dd[None, :]
+            kt = tl.load(k_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+            vt = tl.load(v_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+            sc = _dot(q, tl.trans(_to_dot(kt, CODE)), CODE)  # [MA, PS]
+            if KV_FP8:
+                ks = tl.load(ks_ptr + (phys * G + r) * PS + t, mask=tok_ok, other=0.0)
+                sc = sc * ks[None, :]
+            sc = sc * qk_scale
+            ok = member[:, None] & (j[None, :] <= pos[:, None])
+            sc = tl.where(ok, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(sc - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if KV_FP8:
+                vs = tl.load(vs_ptr + (phys * G + r) * PS + t, mask=tok_ok, other=0.0)
+                p = p * vs[None, :]
+            acc = acc * alpha[:, None] + _dot(_to_dot(p, CODE), _to_dot(vt, CODE), CODE)
+            m_i = m_new
+    has = l_i > 0.0
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    row = ((b64 * G + r) * NQC + qc) * NSA + s
+    tl.store(op_ptr + (row * MA + m[:, None]) * D + dd[None, :], o)
+    tl.store(lp_ptr + row * MA + m, lse2)
+
+
+@triton.jit
+def _combine_kernel(
+    op_ptr, lp_ptr, o_ptr, lse_ptr, NSA,
+    NQ: tl.constexpr, G: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, QC: tl.constexpr,
+    NQC: tl.constexpr, MA: tl.constexpr, NSA_PAD: tl.constexpr, RETURN_LSE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    m = tl.program_id(0)  # row inside the (chunk, group): query m // HPG, head m % HPG
+    rc = tl.program_id(1)
+    b = tl.program_id(2)
+    r = rc // NQC
+    qc = rc % NQC
+    i = qc * QC + m // HPG
+    h = r * HPG + m % HPG
+    if USE_PDL:
+        gdc_wait()  # the partials come from the attention grid
+    if i < NQ:
+        b64 = b.to(tl.int64)
+        sp = tl.arange(0, NSA_PAD)
+        dd = tl.arange(0, D)
+        row = (((b64 * G + r) * NQC + qc) * NSA + sp) * MA + m
+        ok = sp < NSA
+        lse = tl.load(lp_ptr + row, mask=ok, other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mxs = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mxs)
+        den = tl.sum(w, axis=0)
+        part = tl.load(op_ptr + row[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
+        o = tl.sum(w[:, None] * part, axis=0) / tl.where(den > 0.0, den, 1.0)
+        tl.store(o_ptr + ((b64 * NQ + i) * (G * HPG) + h) * D + dd, o.to(o_ptr.dtype.element_ty))
+        if RETURN_LSE:
+            val = tl.where(den > 0.0, (mxs + tl.log2(tl.where(den > 0.0, den, 1.0))) * LN2_C, float("-inf"))
+            tl.store(lse_ptr + (b64 * (G * HPG) + h) * NQ + i, val)
+
+
+def _rows_per_merge(mr: int, width: int, budget: int = 4096) -> int:
+    """Rows merged at once so that a [rows, width] int64 tile stays ~32 registers per thread."""
+    return max(1, min(mr, budget // width))
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse: bool, phases: str = "all"):
+    """Runs the three phases with the plan's workspace; returns (o, lse or None).
+    phases="select" stops after the selection (for benchmarks; returns (None, None))."""
+    B, NQ, HQ, D = q.shape
+    G, DI, PS = pools.num_kv_heads, pools.index_dim, pools.page_size
+    HPG = HQ // G
+    dummy = plan.cnt2  # any int/float tensor for unused pointer args
+    pdl = bool(plan.pdl) and not interpret_mode()
+    pdl_kw = {"launch_pdl": True} if pdl else {}
+    code_idx = _dot_code(q_idx.dtype, pools.k_idx.dtype)
+    code_kv = _dot_code(q.dtype, pools.k.dtype)
+    pt_stride = page_table.stride(0)
+    S, NC = plan.score_splits, plan.num_clusters
+    NC_PAD = next_pow2(NC)
+    RB1 = _rows_per_merge(plan.mr, plan.cluster * plan.kp, plan.merge_budget)
+    RB2 = _rows_per_merge(plan.mr, NC_PAD * plan.kp, plan.merge_budget)
+    _score_kernel[(S, B)](
+        q_idx, pools.k_idx, pools.k_idx_scale if pools.index_fp8 else dummy, page_table, pt_stride, seq_lens,
+        plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC,
+        NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
+        LOCAL=plan.local_blocks, INIT=plan.init_blocks, IDX_FP8=pools.index_fp8, CODE=code_idx,
+        FUSED=plan.fused_select, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2, NUM_STAGES=plan.score_stages,
+        USE_PDL=pdl, num_warps=plan.score_warps, num_stages=plan.score_stages,
+    )
+    if not plan.fused_select:
+        _merge1_kernel[(NC, B)](plan.cand, plan.cand2, plan.block_idx, S, NC, NQ=NQ, G=G, TOPK=plan.topk,
+                                MR=plan.mr, KP=plan.kp, CL=plan.cluster, RB1=RB1, num_warps=4)
+        if NC > 1:
+            _merge2_kernel[(B,)](plan.cand2, plan.block_idx, NC, NQ=NQ, G=G, TOPK=plan.topk, MR=plan.mr,
+                                 KP=plan.kp, NC_PAD=NC_PAD, RB2=RB2, num_warps=4)
+    if phases == "select":
+        return None, None
+    NSA, QC, NQC, MA = plan.attn_splits, plan.qc, plan.nqc, plan.ma
+    _attn_kernel[(NSA, G * NQC, B)](
+        q, pools.k, pools.v, pools.k_scale if pools.kv_fp8 else dummy, pools.v_scale if pools.kv_fp8 else dummy,
+        page_table, pt_stride, seq_lens, plan.block_idx, plan.o_part, plan.lse_part, scale * LOG2E, NSA,
+        NQ=NQ, G=G, HPG=HPG, D=D, PS=PS, TOPK=plan.topk, KP=plan.kp, QC=QC, NQC=NQC, MA=MA,
+        KV_FP8=pools.kv_fp8, CODE=code_kv, USE_PDL=pdl, num_warps=plan.attn_warps, num_stages=1, **pdl_kw,
+    )
+    o = torch.empty_like(q)
+    lse = torch.empty(B, HQ, NQ, dtype=torch.float32, device=q.device) if return_lse else plan.lse_part
+    _combine_kernel[(QC * HPG, G * NQC, B)](
+        plan.o_part, plan.lse_part, o, lse, NSA, NQ=NQ, G=G, HPG=HPG, D=D, QC=QC, NQC=NQC, MA=MA,
+        NSA_PAD=next_pow2(NSA), RETURN_LSE=return_lse, USE_PDL=pdl,
+        num_warps=4 if D * next_pow2(NSA) <= 8192 else 8, **pdl_kw,
+    )
+    return o, (lse if return_lse else None)

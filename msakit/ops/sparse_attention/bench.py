@@ -1,0 +1,321 @@
+"""GPU check and benchmark of the KV-outer Triton `sparse_attention` (imports on CPU; runs on CUDA).
+
+    from msakit.ops.sparse_attention.bench import check_and_bench
+    rows = check_and_bench()        # T = 16K .. 1M at the M3 shape (Hq=64, G=4, D=128, bs=128, topk=16)
+
+Per T: random bf16 inputs and a random valid selection (`random_block_idx`), the forward checked
+against an fp32 evaluation of the reference's meaning (all rows at T <= full_check_T, sampled rows
+above: `reference_rows`), the backward against fp32 autograd of the reference at T <= bwd_check_T,
+every output poisoned with NaN first (and the kernels' internal partial buffers too) and checked
+to be fully written, median times of the forward and of forward + backward, effective TFLOP/s
+(forward 4*Hq*D*topk*bs*T, backward 2.5x that) and the peak extra memory.  With sweep=True the
+kernel configs of `triton.FWD_CONFIGS` / `BWD_CONFIGS` are timed first at sweep_T and the fastest
+are used for the rest (reported as rows with "sweep" set).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .reference import sparse_attention_reference
+
+M3_SHAPE = dict(Hq=64, G=4, D=128, block_size=128, topk=16)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def random_block_idx(
+    B: int, G: int, T: int, block_size: int, topk: int, generator: torch.Generator | None = None, device=None
+) -> torch.Tensor:
+    """A random valid selection, int32 [B, G, T, topk].
+
+    Row (b, g, i): min(topk - 1, own) distinct random blocks among 0 .. own - 1 (own = i //
+    block_size), then the own block (the last valid entry, as the top-k contract says), then -1.
+    Floyd's sampling, vectorised over rows: O(rows * topk^2), fine at T = 1M on a GPU.
+    """
+    dev = torch.device(device) if device is not None else (generator.device if generator is not None else torch.device("cpu"))
+    R = B * G * T
+    own = (torch.arange(T, device=dev) // block_size).repeat(B * G)  # [R]
+    m = topk - 1
+    picks = torch.full((R, max(m, 1)), -1, dtype=torch.int64, device=dev)
+    for kk in range(m):
+        j = own - m + kk  # Floyd: draw t in [0, j]; if taken, take j
+        u = torch.rand(R, generator=generator, device=dev)
+        t = torch.minimum((u * (j + 1).clamp(min=1)).long(), j.clamp(min=0))
+        taken = (picks[:, :kk] == t[:, None]).any(dim=1) if kk else torch.zeros_like(t, dtype=torch.bool)
+        picks[:, kk] = torch.where(j >= 0, torch.where(taken, j, t), torch.full_like(t, -1))
+    picks = picks[:, :m].sort(dim=1, descending=True).values  # valid first
+    nvalid = (picks >= 0).sum(dim=1, keepdim=True)
+    out = torch.full((R, topk), -1, dtype=torch.int64, device=dev)
+    out[:, :m] = picks
+    out.scatter_(1, nvalid, own[:, None])
+    return out.view(B, G, T, topk).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- reference rows
+
+def reference_rows(q, k, v, block_idx, rows, *, block_size: int, softmax_scale: float | None = None, chunk: int = 32):
+    """The reference's (o, lse) for the queries `rows` (int [R]) of batch 0 only, in fp32.
+
+    Returns o [R, Hq, D] float32 and lse [Hq, R] float32.  Row i depends only on its own
+    selection, so this is O(R * topk * block_size) instead of the full reference.
+    """
+    _, T, Hq, D = q.shape
+    G = k.shape[2]
+    hpg = Hq // G
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    rows = rows.long().to(q.device)
+    offs = torch.arange(block_size, device=q.device)
+    outs, lses = [], []
+    kt = k[0].transpose(0, 1).float()  # [G, T, D]
+    vt = v[0].transpose(0, 1).float()
+    for r0 in range(0, rows.numel(), chunk):
+        rr = rows[r0 : r0 + chunk]
+        R = rr.numel()
+        sel = block_idx[0][:, rr].long().sort(dim=-1).values  # [G, R, K]
+        dup = torch.zeros_like(sel, dtype=torch.bool)
+        dup[..., 1:] = sel[..., 1:] == sel[..., :-1]
+        pos = sel.unsqueeze(-1) * block_size + offs  # [G, R, K, bs]
+        valid = ((sel >= 0) & ~dup).unsqueeze(-1) & (pos <= rr.view(1, R, 1, 1)) & (pos >= 0)
+        pos = pos.clamp(0, T - 1).reshape(G, R, -1)
+        valid = valid.reshape(G, R, -1)
+        kk = torch.stack([kt[g][pos[g]] for g in range(G)])  # [G, R, L, D]
+        vv = torch.stack([vt[g][pos[g]] for g in range(G)])
+        qq = q[0, rr].float().view(R, G, hpg, D).permute(1, 0, 2, 3)  # [G, R, hpg, D]
+        s = torch.einsum("grhd,grld->grhl", qq, kk) * scale
+        s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [G, R, hpg]
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+        o = torch.einsum("grhl,grld->grhd", p, vv)
+        outs.append(o.permute(1, 0, 2, 3).reshape(R, Hq, D))
+        lses.append(lse.permute(0, 2, 1).reshape(Hq, R))
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def sample_rows(T: int, n: int, block_size: int, generator: torch.Generator) -> torch.Tensor:
+    """n query rows: the first, the last, a block boundary and uniform random ones."""
+    fixed = torch.tensor(sorted({0, T - 1, min(T - 1, block_size - 1), min(T - 1, block_size)}))
+    rnd = torch.randint(0, T, (max(0, n - fixed.numel()),), generator=generator)
+    return torch.cat([fixed, rnd])[:n]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| over the finite entries of b (float64)."""
+    a, b = a.double(), b.double()
+    fin = torch.isfinite(b)
+    a, b = torch.where(fin, a, 0.0), torch.where(fin, b, 0.0)
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+# ----------------------------------------------------------------------------- timing
+
+def _time_ms(fn, grad_to_none=None) -> float:
+    """Median milliseconds: triton.testing.do_bench for short calls, 3 timed runs for long ones."""
+    import triton.testing
+
+    fn()  # compile / warm up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = (time.perf_counter() - t0) * 1e3
+    if once < 200.0:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"))
+    times = []
+    for _ in range(3):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return float(sorted(times)[1])
+
+
+def _peak_extra(fn) -> tuple[int, object]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - base), out
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def check_and_bench(
+    T_list=(16384, 65536, 131072, 262144, 1048576),
+    device="cuda",
+    *,
+    Hq: int = M3_SHAPE["Hq"],
+    G: int = M3_SHAPE["G"],
+    D: int = M3_SHAPE["D"],
+    block_size: int = M3_SHAPE["block_size"],
+    topk: int = M3_SHAPE["topk"],
+    dtype: torch.dtype = torch.bfloat16,
+    full_check_T: int = 32768,
+    bwd_check_T: int = 32768,
+    n_check_rows: int = 256,
+    bwd_max_T: int = 1 << 30,
+    sweep: bool = True,
+    sweep_T: int = 131072,
+    seed: int = 0,
+    verbose: bool = True,
+) -> list[dict]:
+    """One dict per T (plus one per swept config) with: T, fwd_ms, fwd_tflops, fwdbwd_ms,
+    bwd_ms (= fwdbwd - fwd), bwd_tflops, fwd_peak_extra_GiB (beyond q, k, v, block_idx, o, lse),
+    fwdbwd_peak_extra_GiB (beyond those, dO and the three gradients), fwd_kernel_ms (the
+    launcher alone, without the public op's checks), o_rel_err / lse_max_abs_err
+    (vs fp32 reference; on `check_rows` sampled rows above full_check_T), dq/dk/dv_rel_err
+    (T <= bwd_check_T), fwd_all_written / bwd_all_written (no NaN left in poisoned outputs),
+    fwd_config / bwd_config, and error (a string) when something raised.
+    """
+    from . import sparse_attention
+    from . import triton as kernels
+
+    dev = torch.device(device)
+    scale = 1.0 / math.sqrt(D)
+    flops_fwd = lambda T: 4.0 * Hq * D * topk * block_size * T  # noqa: E731
+    results: list[dict] = []
+
+    def make(T, seed_):
+        g = torch.Generator(device=dev).manual_seed(seed_)
+        q = torch.randn((1, T, Hq, D), generator=g, device=dev, dtype=dtype)
+        k = torch.randn((1, T, G, D), generator=g, device=dev, dtype=dtype)
+        v = torch.randn((1, T, G, D), generator=g, device=dev, dtype=dtype)
+        bi = random_block_idx(1, G, T, block_size, topk, g, dev)
+        return q, k, v, bi
+
+    def time_fwd(q, k, v, bi):
+        return _time_ms(lambda: sparse_attention(q, k, v, bi, block_size=block_size, backend="triton"))
+
+    def time_fwdbwd(q, k, v, bi, do):
+        qs, ks, vs = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+        def step():
+            o = sparse_attention(qs, ks, vs, bi, block_size=block_size, backend="triton")
+            o.backward(do)
+
+        ms = _time_ms(step, grad_to_none=[qs, ks, vs])
+        return ms
+
+    # ------------------------------------------------------------------ config sweep
+    if sweep and dev.type == "cuda":
+        Ts = min(sweep_T, max(T_list))
+        q, k, v, bi = make(Ts, seed + 1)
+        do = torch.randn_like(q)
+        best = {}
+        for kind, table in (("fwd", kernels.FWD_CONFIGS), ("bwd", kernels.BWD_CONFIGS)):
+            times = {}
+            for name in table:
+                row = {"T": Ts, "sweep": kind, "config": name}
+                try:
+                    if kind == "fwd":
+                        kernels.FWD_DEFAULT = name
+                        ms = time_fwd(q, k, v, bi)
+                        row.update(ms=ms, tflops=flops_fwd(Ts) / ms / 1e9)
+                    else:
+                        kernels.BWD_DEFAULT = name
+                        if "fwd_ms" not in best:
+                            best["fwd_ms"] = time_fwd(q, k, v, bi)
+                        ms = time_fwdbwd(q, k, v, bi, do) - best["fwd_ms"]
+                        row.update(ms=ms, tflops=2.5 * flops_fwd(Ts) / ms / 1e9)
+                    times[name] = ms
+                except Exception as ex:  # a config that fails to compile or run is reported, not fatal
+                    row["error"] = f"{type(ex).__name__}: {ex}"[:500]
+                if verbose:
+                    print(row, flush=True)
+                results.append(row)
+            if times:
+                name = min(times, key=times.get)
+                best[kind], best[f"{kind}_ms"] = name, times[name]
+                if kind == "fwd":
+                    kernels.FWD_DEFAULT = name
+                else:
+                    kernels.BWD_DEFAULT = name
+        del q, k, v, bi, do
+        torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ per T
+    for T in T_list:
+        row: dict = {"T": T, "fwd_config": kernels.FWD_DEFAULT, "bwd_config": kernels.BWD_DEFAULT}
+        try:
+            q, k, v, bi = make(T, seed + T)
+            gen = torch.Generator().manual_seed(seed)
+            # forward: poisoned outputs and partials, checked fully written, then checked
+            o = torch.full_like(q, float("nan"))
+            lse = torch.full((1, Hq, T), float("nan"), device=dev)
+            peak, _ = _peak_extra(lambda: kernels.sparse_attention_fwd_triton(q, k, v, bi, None, block_size, scale, out=o, lse_out=lse, poison=True))
+            row["fwd_all_written"] = bool(not torch.isnan(o).any() and not torch.isnan(lse).any())
+            if T <= full_check_T:
+                ro, rlse = sparse_attention_reference(q.float(), k.float(), v.float(), bi, block_size=block_size, return_lse=True)
+                row["o_rel_err"] = rel_err(o, ro)
+                row["lse_max_abs_err"] = float((lse - rlse).abs().nan_to_num().max())
+                row["check_rows"] = T
+                del ro, rlse
+            else:
+                rows = sample_rows(T, n_check_rows, block_size, gen)
+                ro, rlse = reference_rows(q, k, v, bi, rows, block_size=block_size)
+                row["o_rel_err"] = rel_err(o[0, rows.to(dev)], ro)
+                row["lse_max_abs_err"] = float((lse[0][:, rows.to(dev)] - rlse).abs().nan_to_num().max())
+                row["check_rows"] = int(rows.numel())
+            del o, lse
+            # forward timing and memory (through the public op)
+            peak, out = _peak_extra(lambda: sparse_attention(q, k, v, bi, block_size=block_size, return_lse=True, backend="triton"))
+            row["fwd_peak_extra_GiB"] = (peak - out[0].nbytes - out[1].nbytes) / 2**30
+            del out
+            row["fwd_ms"] = time_fwd(q, k, v, bi)
+            row["fwd_tflops"] = flops_fwd(T) / row["fwd_ms"] / 1e9
+            # the kernels alone (no argument checks: check_block_idx reads block_idx and syncs)
+            row["fwd_kernel_ms"] = _time_ms(lambda: kernels.sparse_attention_fwd_triton(q, k, v, bi, None, block_size, scale))
+            if T <= bwd_max_T:
+                do = torch.randn_like(q)
+                if T <= bwd_check_T:
+                    # poisoned gradients, checked fully written and against fp32 autograd
+                    of, lsef = kernels.sparse_attention_fwd_triton(q, k, v, bi, None, block_size, scale)
+                    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+                    kernels.sparse_attention_bwd_triton(do, q, k, v, of, lsef, None, bi, None, block_size, scale,
+                                                        dq_out=dq, dk_out=dk, dv_out=dv, poison=True)
+                    row["bwd_all_written"] = bool(not any(torch.isnan(t).any() for t in (dq, dk, dv)))
+                    qf, kf, vf = (t.float().requires_grad_(True) for t in (q, k, v))
+                    ref = sparse_attention_reference(qf, kf, vf, bi, block_size=block_size)
+                    rq, rk, rv = torch.autograd.grad(ref, (qf, kf, vf), do.float())
+                    row.update(dq_rel_err=rel_err(dq, rq), dk_rel_err=rel_err(dk, rk), dv_rel_err=rel_err(dv, rv))
+                    del of, lsef, dq, dk, dv, qf, kf, vf, ref, rq, rk, rv
+                qs, ks, vs = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+                def fb():
+                    o_ = sparse_attention(qs, ks, vs, bi, block_size=block_size, backend="triton")
+                    o_.backward(do)
+                    return o_
+
+                peak, o_ = _peak_extra(fb)
+                kept = o_.nbytes + sum(t.grad.nbytes for t in (qs, ks, vs))
+                row["fwdbwd_peak_extra_GiB"] = (peak - kept) / 2**30
+                del o_, qs, ks, vs
+                row["fwdbwd_ms"] = time_fwdbwd(q, k, v, bi, do)
+                row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
+                row["bwd_tflops"] = 2.5 * flops_fwd(T) / row["bwd_ms"] / 1e9
+                del do
+            del q, k, v, bi
+        except Exception as ex:  # report and go on to the next T
+            row["error"] = f"{type(ex).__name__}: {ex}"[:800]
+        torch.cuda.empty_cache()
+        if verbose:
+            print(row, flush=True)
+        results.append(row)
+    return results
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import json
+    import sys
+
+    Ts = tuple(int(x) for x in sys.argv[1:]) or (16384, 65536, 131072, 262144, 1048576)
+    print(json.dumps(check_and_bench(Ts), indent=1))

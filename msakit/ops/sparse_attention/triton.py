@@ -1,0 +1,710 @@
+"""KV-outer block-sparse attention in Triton: forward and backward (Hopper-first; also runs
+under TRITON_INTERPRET=1 on the CPU, which is how the tests run it).
+
+Meaning: `reference.py`.  Everything below works on *flat tokens*: q [N, Hq, D], k/v [N, G, D]
+with N = B*T (a batch is B packed documents of length T; a varlen batch gives its documents
+through cu_seqlens).  Selected block b of the document holding query n is the key (one
+(group g, block) pair) whose tokens start at doc_start(n) + b*block_size; the key is named by
+the integer g*N + that start token, so unaligned document starts need nothing special, and
+the causal rule "key token j <= query token n" (flat indices) also keeps every token inside
+its document and below N.
+
+Work list (`_build_items`: torch ops on the device, no host sync; it generalises
+`_k2q.build_k2q` to query chunks, documents and bounded items).  Per chunk of C query rows:
+canonicalise each (group, row) selection (drop -1, duplicates and blocks past the row's own
+block; ascending, valid first; slot = position) -> entries (query n, slot s) stably sorted by
+key -> *items*: runs of at most `item_queries` entries of one key.  One program takes one item:
+it loads the key's K and V [block_size, D] once (they stay in shared memory) and loops over
+sub-tiles of q_tile entries x Hq/G heads (64 or 128 rows at M3's 16 heads per group; the next
+sub-tile's Q rows are prefetched into registers while the current one computes, since Triton's
+pipeliner does not overlap an indirect gather).  Items of one key are adjacent in the grid (K/V
+reuse in L2), every item is at most the same work (hot keys are simply more items), and the
+grid is an upper bound (`max_items`; padding items do nothing).
+
+Forward combine (choice (b) of the design brief):
+  every (query, head, slot) gets a partial output normalised by its own softmax sum, in
+  q.dtype, plus its own lse_s = m_s + log l_s in fp32 (`OP` [C, topk, Hq, D], `LP` [C, topk,
+  Hq]); a merge kernel forms lse = logsumexp_s lse_s and o = sum_s exp(lse_s - lse) O_s over
+  the row's valid slots (slot s is valid iff s < nvalid(g, n): nothing is pre-filled).
+  Rejected: (a) a stats pass + fp32 atomics into [T, Hq, D]: 1.5x the FLOPs and 16 x 4 B of
+  read-modify-write per output element, each line leaving L2 between its updates under a
+  random selection (~2x the bytes of (b), at atomic throughput); (c) query chunks small enough
+  for their partials to stay in L2 (50 MB = ~190 queries at M3's shape): a key then gets ~1
+  query of a chunk under a random selection, so tiles run ~1/8 full.
+  Predicted cost at M3's shape (Hq=64, G=4, D=128, bs=128, topk=16, bf16), per query: Q
+  gathered 16x (256 KB) + partials written (256 KB) and read back (256 KB) + o (16 KB) =
+  ~0.8 MB of HBM traffic for 67 MFLOP (~85 FLOP/B, under the H200's ~190 FLOP/B ridge): the
+  forward is memory-bound.  At T = 128K: ~103 GB = ~26 ms at 4 TB/s (main kernel ~17 ms,
+  merge ~9 ms) against 8.8 TFLOP = ~14 ms of MMA at 650 TFLOP/s: ~27-32 ms, i.e. ~280-330
+  TFLOP/s effective; the work list (two torch sorts per chunk) adds ~0.3 ms per chunk.
+  Memory: partial buffers per chunk of C query rows, C set so that they take <= CHUNK_BYTES
+  (5 GiB: C = 19,712 rows at M3's shape, 269 KB per row): the forward's peak extra memory is
+  ~5 GiB at any T >= 20K (plus lse itself and ~50 B per entry of a chunk's work list).  The
+  backward: BWD_CHUNK_BYTES (8 GiB) of dq partials + fp32 dK/dV (4 GiB at 1M) + 8 B per
+  (token, head) of delta and lse: ~12.5 GiB at 1M.
+
+Backward (dq, dk, dv), over the same kind of items (longer: 256 queries):
+  a small kernel writes delta = rowsum(dO * O) - dlse and lse * log2(e) token-major [N, Hq];
+  per item, K and V stay on chip and dK, dV accumulate in fp32 registers over all sub-tiles,
+  then go to fp32 [N, G, D] buffers with one atomic add per element per item (~4% of the
+  traffic at 256 queries per item; the summation order, hence dK/dV's last bits, is not
+  deterministic); dQ of each (query, head, slot) is written to a per-slot buffer (bf16 for bf16
+  inputs, fp32 otherwise) and a reduce kernel sums the valid slots.  Per sub-tile:
+  S^T = K Q^T, P^T = exp2(S^T scale log2(e) - lse2), dV += P^T dO, dP^T = V dO^T,
+  dS^T = P^T (dP^T - delta), dK += dS^T Q, dQ_slot = dS K (5 MMAs = 2.5x the forward's FLOPs).
+  Traffic per query ~1 MB (Q and dO gathered 16x, dq partials written and read): at 128K
+  ~134 GB = ~33 ms against 22 TFLOP = ~35 ms of MMA, so ~45-60 ms (~370-490 TFLOP/s).
+  Query chunks (BWD_CHUNK_BYTES) split each key's queries, so a key costs one K/V load and
+  one dK/dV atomic flush (~320 KB of traffic) per chunk it is used in: negligible at 128K
+  (~300 queries per key and chunk) but ~+25% traffic at 1M (~60 queries per key and chunk);
+  the forward pays only the K/V load (~+10% at 1M).
+
+Inputs: fp16/bf16 on the GPU (fp32 too under the interpreter), block_size and head dim <= 128
+(`kernel_supports`).  Kernel configs: FWD_CONFIGS / BWD_CONFIGS (compiled for sm_90 with the
+bundled ptxas: none spills at M3's shape); `bench.check_and_bench(sweep=True)` times them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "KernelConfig",
+    "FWD_CONFIGS",
+    "BWD_CONFIGS",
+    "CHUNK_BYTES",
+    "BWD_CHUNK_BYTES",
+    "kernel_supports",
+    "sparse_attention_fwd_triton",
+    "sparse_attention_bwd_triton",
+]
+
+# Bytes the per-chunk partial buffers may take: forward o + lse partials (5 GiB keeps the
+# forward's peak extra memory at 1M under 8 GiB), backward dq partials (8 GiB: bigger chunks
+# mean fewer items per key, hence fewer K/V loads and dK/dV atomics; the backward also holds
+# fp32 dK/dV accumulators, 8 B per key token and dim).  Override with MSAKIT_SA_CHUNK_BYTES /
+# MSAKIT_SA_BWD_CHUNK_BYTES.
+CHUNK_BYTES = int(os.environ.get("MSAKIT_SA_CHUNK_BYTES", str(5 << 30)))
+BWD_CHUNK_BYTES = int(os.environ.get("MSAKIT_SA_BWD_CHUNK_BYTES", str(8 << 30)))
+REDUCE_WARPS = 8  # slot-merge / dq-reduce kernels: 64 rows x D per program, 122 / 88 registers
+MAX_BLOCK = 128  # largest block_size and head dim the kernels take (K, V resident in shared memory)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """rows: target rows of one MMA sub-tile (q_tile = rows // (Hq/G) queries, >= 1);
+    item_queries: most entries (queries of one key) per program; num_warps, num_stages."""
+
+    rows: int
+    item_queries: int
+    num_warps: int
+    num_stages: int
+    prefetch: bool = True
+
+
+# Chosen by compiling for sm_90 (ptxas: no spills in any of these; registers / shared memory
+# noted) - not yet timed on the GPU: `bench.check_and_bench(sweep=True)` times them all.
+# "p" = hand-pipelined (next sub-tile's Q prefetched into registers, num_stages=1).
+FWD_CONFIGS = {
+    "m64w4p": KernelConfig(64, 64, 4, 1, True),  # 255 regs, 82 KB smem: 2 CTAs/SM
+    "m128w8p": KernelConfig(128, 64, 8, 1, True),  # 234 regs, 98 KB: 1 CTA/SM
+    "m64w8p": KernelConfig(64, 64, 8, 1, True),  # 196 regs, 82 KB: 1 CTA/SM
+    "m128w8s3": KernelConfig(128, 64, 8, 3, False),  # Triton's pipeliner: 247 regs, 165 KB
+    "m64w4s3": KernelConfig(64, 64, 4, 3, False),  # 215 regs, 107 KB: 2 CTAs/SM
+}
+BWD_CONFIGS = {
+    "m32w8p": KernelConfig(32, 256, 8, 1, True),  # 254 regs, 115 KB
+    "m16w8p": KernelConfig(16, 256, 8, 1, True),  # 228 regs, 106 KB
+    "m32w8s3": KernelConfig(32, 256, 8, 3, False),  # 228 regs, 140 KB
+    "m16w8s2": KernelConfig(16, 256, 8, 2, False),  # 234 regs, 119 KB
+}
+FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4p")
+BWD_DEFAULT = os.environ.get("MSAKIT_SA_BWD_CONFIG", "m32w8p")
+# Under the interpreter: small tiles and short items so that tests exercise the sub-tile loop,
+# several items per key and the atomics.
+INTERPRET_FWD = KernelConfig(16, 16, 4, 1)
+INTERPRET_BWD = KernelConfig(16, 32, 4, 1)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (max(1, int(x)) - 1).bit_length()
+
+
+def kernel_supports(dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device | None = None) -> str | None:
+    """None when the kernels take these arguments, else the reason they do not.
+
+    16-bit inputs only on the GPU: fp32 would need an FMA dot (no fp32 tensor cores; TF32 would
+    change the numerics) that spills at these tiles, so fp32 CUDA tensors use the reference.
+    Under the interpreter fp32 runs too (the CPU tests).  K and V of a block stay in shared
+    memory for a whole item, so block_size and the head dim are at most 128 (M3: 128 / 128).
+    """
+    ok = (torch.float16, torch.bfloat16) if (device is None or device.type == "cuda") else (torch.float16, torch.bfloat16, torch.float32)
+    if dtype not in ok:
+        return f"dtype {dtype} (the kernels take {', '.join(str(d) for d in ok)})"
+    if head_dim > MAX_BLOCK:
+        return f"head dim {head_dim} > {MAX_BLOCK}"
+    if block_size > MAX_BLOCK:
+        return f"block_size {block_size} > {MAX_BLOCK}"
+    return None
+
+
+# ------------------------------------------------------------------------------ work list
+@dataclass
+class _Items:
+    ent_q: torch.Tensor  # int32 [M]: flat query token of each entry, sorted by key
+    ent_s: torch.Tensor  # int32 [M]: the entry's slot (position in the canonical selection)
+    it_key: torch.Tensor  # int64 [max_items]: g * N + first token of the key's block
+    it_start: torch.Tensor  # int64 [max_items]: first entry of the item
+    it_count: torch.Tensor  # int32 [max_items]: entries in the item (0 = padding)
+    nvalid: torch.Tensor  # int32 [G, C]: valid slots of each (group, row)
+    max_items: int
+
+
+def _row_docs(n0: int, C: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(doc_start, position in document) of flat rows n0 .. n0+C-1, int64."""
+    n = torch.arange(n0, n0 + C, device=device, dtype=torch.int64)
+    if cu_seqlens is None:
+        start = n - n % T
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        d = torch.searchsorted(cu, n, right=True) - 1
+        start = cu[d]
+    return start, n - start
+
+
+def _build_items(
+    sel: torch.Tensor,
+    doc_start: torch.Tensor,
+    pos: torch.Tensor,
+    n0: int,
+    N: int,
+    block_size: int,
+    item_queries: int,
+    nkeys_bound: int,
+) -> _Items:
+    """Block->query work list of rows n0 .. n0+C-1 (sel = their selections, int [G, C, K])."""
+    G, C, K = sel.shape
+    dev = sel.device
+    # canonical selection: a set of blocks with a token j <= i, ascending, valid first
+    s = sel.long().sort(dim=-1).values
+    dup = torch.zeros_like(s, dtype=torch.bool)
+    dup[..., 1:] = s[..., 1:] == s[..., :-1]
+    s = s.masked_fill(dup | (s * block_size > pos.view(1, C, 1)), -1)
+    big = torch.iinfo(torch.int64).max
+    s = torch.where(s < 0, torch.full_like(s, big), s).sort(dim=-1).values
+    valid = s != big
+    nvalid = valid.sum(dim=-1, dtype=torch.int32)
+    # key = g * N + start token of the block; sentinel G * N sorts last
+    kspace = G * N
+    kdt = torch.int32 if kspace < 2**31 - 1 else torch.int64
+    gg = torch.arange(G, device=dev, dtype=torch.int64).view(G, 1, 1) * N
+    key = torch.where(valid, gg + doc_start.view(1, C, 1) + s.clamp(max=N) * block_size, torch.full_like(s, kspace))
+    skey, order = torch.sort(key.reshape(-1).to(kdt), stable=True)
+    M = G * C * K
+    ent_q = (n0 + (order // K) % C).to(torch.int32)
+    ent_s = (order % K).to(torch.int32)
+    idx = torch.arange(M, device=dev, dtype=torch.int64)
+    newrun = torch.ones(M, dtype=torch.bool, device=dev)
+    newrun[1:] = skey[1:] != skey[:-1]
+    run_start = torch.cummax(torch.where(newrun, idx, torch.zeros_like(idx)), 0).values
+    nxt = torch.where(newrun, idx, torch.full_like(idx, M))
+    nxt = torch.cat([nxt[1:], nxt.new_full((1,), M)])
+    run_end = torch.cummin(nxt.flip(0), 0).values.flip(0)  # first run start after each entry
+    rank = idx - run_start
+    first = (skey < kspace) & (rank % item_queries == 0)
+    cnt = torch.clamp(run_end - idx, max=item_queries)
+    max_items = (M + item_queries - 1) // item_queries + min(M, nkeys_bound)
+    # item t starts at the (t+1)-th `first` entry (no scatter, no host sync)
+    csum = torch.cumsum(first, 0)
+    st = torch.searchsorted(csum, torch.arange(1, max_items + 1, device=dev, dtype=csum.dtype))
+    real = st < M
+    st = st.clamp(max=M - 1)
+    it_start = st
+    it_count = torch.where(real, cnt[st], torch.zeros_like(st)).to(torch.int32)
+    it_key = skey[st].long()
+    return _Items(ent_q, ent_s, it_key, it_start, it_count, nvalid, max_items)
+
+
+# ------------------------------------------------------------------------------ kernels
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST: the interpreter's 16-bit dot is unreliable, so it multiplies in fp32 there
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _sa_fwd_kernel(
+    Q, K, V, OP, LP,
+    ENT_Q, ENT_S, IT_KEY, IT_START, IT_COUNT,
+    N, n0, qk_scale,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
+    HPG: tl.constexpr, Q_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    count = tl.load(IT_COUNT + pid)
+    if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
+        if count == 0:
+            return
+    key = tl.load(IT_KEY + pid).to(tl.int64)
+    start = tl.load(IT_START + pid).to(tl.int64)
+    g = key // N
+    tok0 = key - g * N
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kv_tok = tok0 + offs_n
+    kv_ok = (offs_n < BS) & (kv_tok < N) & (count > 0)
+    kv_row = (kv_tok * G + g) * D
+    kv_mask = kv_ok[:, None] & d_ok[None, :]
+    kb = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    vb = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    r_q = offs_m // HPG
+    head = g * HPG + offs_m % HPG
+    m_ok = offs_m < Q_TILE * HPG
+    if PREFETCH:
+        # software pipeline by hand: the Q rows of sub-tile i+1 and the entries of sub-tile i+2
+        # are in flight while sub-tile i computes (an indirect load defeats Triton's pipeliner)
+        ok0 = m_ok & (r_q < count)
+        n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
+        n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+        q_cur = tl.load(Q + ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
+    for sub in range(0, count, Q_TILE):
+        qi = sub + r_q
+        row_ok = m_ok & (qi < count)
+        e = start + qi
+        row_mask = row_ok[:, None] & d_ok[None, :]
+        if PREFETCH:
+            n = n_cur
+            qb = q_cur
+            ok1 = m_ok & (qi + Q_TILE < count)
+            q_cur = tl.load(Q + ((n_nxt * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
+            n_cur = n_nxt
+            n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
+        else:
+            n = tl.load(ENT_Q + e, mask=row_ok, other=0).to(tl.int64)
+            qb = tl.load(Q + ((n * HQ + head) * D)[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
+        slot = tl.load(ENT_S + e, mask=row_ok, other=0).to(tl.int64)
+        s = _mm(qb, tl.trans(kb), PREC, UPCAST) * qk_scale
+        # key token tok0 + c is visible to row (n, h) iff c <= n - tok0 (causal; also keeps the
+        # key inside n's document and below N) and c < BS; invalid rows see nothing (int32 math)
+        rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
+        if BS < BLOCK_N:
+            rel = tl.minimum(rel, BS - 1)
+        s = tl.where(offs_n[None, :] <= rel[:, None], s, float("-inf"))
+        m = tl.max(s, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.exp2(s - m[:, None])
+        l = tl.sum(p, axis=1)
+        acc = _mm(p.to(vb.dtype), vb, PREC, UPCAST)
+        l_safe = tl.where(l > 0.0, l, 1.0)
+        ob = acc / l_safe[:, None]
+        lse = (m + tl.log2(l_safe)) * 0.6931471805599453
+        prow = ((n - n0) * KS + slot) * HQ + head
+        tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=row_mask)
+        tl.store(LP + prow, lse, mask=row_ok)
+
+
+@triton.jit
+def _sa_slot_reduce_kernel(
+    P, LP, NV, OUT, LSE,
+    n0, C, T,
+    HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """OUT[n0 + t, h] = sum over the valid slots s < NV[g, t] of P[t, s, h] (times
+    exp(LP[t, s, h] - lse) and writing lse = logsumexp_s LP into LSE [B, HQ, T] if WEIGHTED)."""
+    offs_r = tl.arange(0, BLOCK_T * BLOCK_H)
+    t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_H
+    h = tl.program_id(1) * BLOCK_H + offs_r % BLOCK_H
+    ok = (t < C) & (h < HQ)
+    g = h // HPG
+    nv = tl.load(NV + g * C + t, mask=ok, other=0)
+    t64 = t.to(tl.int64)
+    base = t64 * (KS * HQ) + h  # (t, slot 0, h) in [C, KS, HQ]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    if WEIGHTED:
+        mx = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
+        for s in range(0, KS):
+            ls = tl.load(LP + base + s * HQ, mask=ok & (s < nv), other=float("-inf"))
+            mx = tl.maximum(mx, ls)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        sw = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(0, KS, 2):  # two slots per step: both loads in flight together
+        ok0 = ok & (s < nv)
+        ok1 = ok & (s + 1 < nv)  # nv <= KS, so an odd KS never reads slot KS
+        x0 = tl.load(P + (base + s * HQ)[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
+        x1 = tl.load(P + (base + (s + 1) * HQ)[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
+        if WEIGHTED:
+            w0 = tl.exp(tl.load(LP + base + s * HQ, mask=ok0, other=float("-inf")) - mx)
+            w1 = tl.exp(tl.load(LP + base + (s + 1) * HQ, mask=ok1, other=float("-inf")) - mx)
+            sw += w0 + w1
+            acc += x0.to(tl.float32) * w0[:, None] + x1.to(tl.float32) * w1[:, None]
+        else:
+            acc += x0.to(tl.float32) + x1.to(tl.float32)
+    if WEIGHTED:
+        acc = acc * (1.0 / tl.where(sw > 0.0, sw, 1.0))[:, None]
+    n = n0 + t64
+    tl.store(OUT + ((n * HQ + h) * D)[:, None] + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    if WEIGHTED:
+        lse = tl.where(sw > 0.0, mx + tl.log(tl.where(sw > 0.0, sw, 1.0)), float("-inf"))
+        b = n // T
+        tl.store(LSE + (b * HQ + h) * T + (n - b * T), lse, mask=ok)
+
+
+@triton.jit
+def _sa_bwd_pre_kernel(
+    O, DO, LSE, DLSE, LSE2, DELTA,
+    N, T,
+    HQ: tl.constexpr, D: tl.constexpr, HAS_DLSE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Token-major [N, HQ] fp32: DELTA = rowsum(dO * O) - dlse and LSE2 = lse * log2(e)."""
+    offs_r = tl.arange(0, BLOCK_T * BLOCK_H)
+    t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_H
+    h = tl.program_id(1) * BLOCK_H + offs_r % BLOCK_H
+    ok = (t < N) & (h < HQ)
+    n = t.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    msk = ok[:, None] & (offs_d < D)[None, :]
+    row = ((n * HQ + h) * D)[:, None] + offs_d[None, :]
+    o = tl.load(O + row, mask=msk, other=0.0).to(tl.float32)
+    do = tl.load(DO + row, mask=msk, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    b = n // T
+    li = (b * HQ + h) * T + (n - b * T)
+    lse = tl.load(LSE + li, mask=ok, other=0.0)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + li, mask=ok, other=0.0)
+    tl.store(LSE2 + n * HQ + h, lse * 1.4426950408889634, mask=ok)
+    tl.store(DELTA + n * HQ + h, delta, mask=ok)
+
+
+@triton.jit
+def _sa_bwd_kernel(
+    Q, K, V, DO, LSE2, DELTA, DQP, DKA, DVA,
+    ENT_Q, ENT_S, IT_KEY, IT_START, IT_COUNT,
+    N, n0, qk_scale, sm_scale,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
+    HPG: tl.constexpr, Q_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    count = tl.load(IT_COUNT + pid)
+    if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
+        if count == 0:
+            return
+    key = tl.load(IT_KEY + pid).to(tl.int64)
+    start = tl.load(IT_START + pid).to(tl.int64)
+    g = key // N
+    tok0 = key - g * N
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kv_tok = tok0 + offs_n
+    kv_ok = (offs_n < BS) & (kv_tok < N) & (count > 0)
+    kv_row = (kv_tok * G + g) * D
+    kv_mask = kv_ok[:, None] & d_ok[None, :]
+    kb = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    vb = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    r_q = offs_m // HPG
+    head = g * HPG + offs_m % HPG
+    m_ok = offs_m < Q_TILE * HPG
+    if PREFETCH:
+        ok0 = m_ok & (r_q < count)
+        n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
+        n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+        r0 = ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :]
+        q_cur = tl.load(Q + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
+        do_cur = tl.load(DO + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
+        lse2_cur = tl.load(LSE2 + n_cur * HQ + head, mask=ok0, other=0.0)
+        dl_cur = tl.load(DELTA + n_cur * HQ + head, mask=ok0, other=0.0)
+    for sub in range(0, count, Q_TILE):
+        qi = sub + r_q
+        row_ok = m_ok & (qi < count)
+        e = start + qi
+        row_mask = row_ok[:, None] & d_ok[None, :]
+        if PREFETCH:
+            n = n_cur
+            qb = q_cur
+            dob = do_cur
+            lse2 = lse2_cur
+            dl = dl_cur
+            ok1 = m_ok & (qi + Q_TILE < count)
+            r1 = ((n_nxt * HQ + head) * D)[:, None] + offs_d[None, :]
+            q_cur = tl.load(Q + r1, mask=ok1[:, None] & d_ok[None, :], other=0.0)
+            do_cur = tl.load(DO + r1, mask=ok1[:, None] & d_ok[None, :], other=0.0)
+            lse2_cur = tl.load(LSE2 + n_nxt * HQ + head, mask=ok1, other=0.0)
+            dl_cur = tl.load(DELTA + n_nxt * HQ + head, mask=ok1, other=0.0)
+            n_cur = n_nxt
+            n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
+        else:
+            n = tl.load(ENT_Q + e, mask=row_ok, other=0).to(tl.int64)
+            qrow = ((n * HQ + head) * D)[:, None] + offs_d[None, :]
+            qb = tl.load(Q + qrow, mask=row_mask, other=0.0)
+            dob = tl.load(DO + qrow, mask=row_mask, other=0.0)
+            lse2 = tl.load(LSE2 + n * HQ + head, mask=row_ok, other=0.0)
+            dl = tl.load(DELTA + n * HQ + head, mask=row_ok, other=0.0)
+        slot = tl.load(ENT_S + e, mask=row_ok, other=0).to(tl.int64)
+        sT = _mm(kb, tl.trans(qb), PREC, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
+        rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
+        if BS < BLOCK_N:
+            rel = tl.minimum(rel, BS - 1)
+        pT = tl.where(offs_n[:, None] <= rel[None, :], tl.exp2(sT - lse2[None, :]), 0.0)
+        dv += _mm(pT.to(dob.dtype), dob, PREC, UPCAST)
+        dpT = _mm(vb, tl.trans(dob), PREC, UPCAST)
+        dsT = (pT * (dpT - dl[None, :])).to(qb.dtype)
+        dk += _mm(dsT, qb, PREC, UPCAST)
+        dqb = _mm(tl.trans(dsT), kb, PREC, UPCAST) * sm_scale  # [BLOCK_M, BLOCK_D]
+        prow = ((n - n0) * KS + slot) * HQ + head
+        tl.store(DQP + prow[:, None] * D + offs_d[None, :], dqb.to(DQP.dtype.element_ty), mask=row_mask)
+    dst = kv_row[:, None] + offs_d[None, :]
+    tl.atomic_add(DKA + dst, dk * sm_scale, mask=kv_mask, sem="relaxed")
+    tl.atomic_add(DVA + dst, dv, mask=kv_mask, sem="relaxed")
+
+
+# ------------------------------------------------------------------------------ launchers
+@dataclass
+class _Geom:
+    B: int
+    T: int
+    N: int
+    Hq: int
+    G: int
+    D: int
+    KS: int
+    hpg: int
+    bs: int
+    nkeys_bound: int
+
+
+def _geom(q, k, block_idx, block_size, cu_seqlens) -> _Geom:
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    KS = block_idx.shape[-1]
+    N = B * T
+    if N >= 2**31 - 1:
+        raise ValueError(f"sparse_attention kernels take fewer than 2^31 tokens in a batch, got {N}")
+    ndocs = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    nkeys_bound = G * (N // block_size + ndocs + 1)
+    return _Geom(B, T, N, Hq, G, D, KS, Hq // G, block_size, nkeys_bound)
+
+
+def _tile(cfg: KernelConfig, geo: _Geom) -> tuple[int, int, int, int, int]:
+    """(q_tile, BLOCK_M, BLOCK_N, BLOCK_D, item_queries) for a config and a shape."""
+    bn, bd = max(16, _next_pow2(geo.bs)), max(16, _next_pow2(geo.D))
+    rows = max(16, cfg.rows * 128 // max(128, bn, bd))  # keep the register tiles ~128x128
+    q_tile = max(1, rows // geo.hpg)
+    bm = max(16, _next_pow2(q_tile * geo.hpg))
+    item_q = max(q_tile, (cfg.item_queries + q_tile - 1) // q_tile * q_tile)
+    return q_tile, bm, bn, bd, item_q
+
+
+def _chunk_rows(geo: _Geom, elt_bytes: int, lse_bytes: int, chunk_rows: int | None, budget: int) -> int:
+    if chunk_rows is None:
+        per_row = geo.KS * geo.Hq * (geo.D * elt_bytes + lse_bytes) + geo.G * geo.KS * 48
+        chunk_rows = max(1, budget // per_row)
+        if chunk_rows < geo.N and chunk_rows > 256:
+            chunk_rows = chunk_rows // 256 * 256
+    return max(1, min(geo.N, int(chunk_rows)))
+
+
+def _reduce_tile(Hq: int, D: int) -> tuple[int, int, int]:
+    bd = max(16, _next_pow2(D))
+    bh = min(_next_pow2(Hq), 16)
+    bt = max(1, (64 if not _interpret() else 256) // bh)  # the interpreter pays per op, not per element
+    return bt, bh, bd
+
+
+def _selection_rows(block_idx: torch.Tensor, geo: _Geom) -> torch.Tensor:
+    """block_idx [B, G, T, K] -> [G, N, K] (a view for B == 1)."""
+    if geo.B == 1:
+        return block_idx[0]
+    return block_idx.permute(1, 0, 2, 3).reshape(geo.G, geo.N, geo.KS)
+
+
+def _prec(dtype: torch.dtype) -> tuple[str, bool]:
+    return ("ieee" if dtype == torch.float32 else "tf32"), (_interpret() and dtype != torch.float32)
+
+
+class _DeviceGuard:
+    def __init__(self, t: torch.Tensor):
+        self.ctx = torch.cuda.device(t.device) if t.is_cuda else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *a):
+        if self.ctx is not None:
+            self.ctx.__exit__(*a)
+
+
+def _pick(cfg, table, default, interp_cfg):
+    if isinstance(cfg, KernelConfig):
+        return cfg
+    if cfg is None:
+        return interp_cfg if _interpret() else table[default]
+    return table[cfg]
+
+
+def sparse_attention_fwd_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    block_size: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    config: KernelConfig | str | None = None,
+    chunk_rows: int | None = None,
+    poison: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [B, T, Hq, D] (q.dtype), lse [B, Hq, T] fp32.  Inputs are assumed checked by the caller.
+
+    out / lse_out: preallocated outputs (every element is written); config: a KernelConfig or
+    a key of FWD_CONFIGS; chunk_rows: query rows per chunk (default: CHUNK_BYTES of partials);
+    poison: fill the internal partial buffers with NaN (tests that unwritten slots are masked).
+    """
+    geo = _geom(q, k, block_idx, block_size, cu_seqlens)
+    cfg = _pick(config, FWD_CONFIGS, FWD_DEFAULT, INTERPRET_FWD)
+    q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
+    qf, kf, vf = q.contiguous(), k.contiguous(), v.contiguous()
+    o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = lse_out if lse_out is not None else torch.empty((geo.B, geo.Hq, geo.T), dtype=torch.float32, device=q.device)
+    assert o.is_contiguous() and lse.is_contiguous()
+    pdt = q.dtype
+    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, CHUNK_BYTES)
+    fill = float("nan") if poison else None
+    shape_p = (C, geo.KS, geo.Hq, geo.D)
+    OP = torch.full(shape_p, fill, dtype=pdt, device=q.device) if poison else torch.empty(shape_p, dtype=pdt, device=q.device)
+    LP = torch.full(shape_p[:3], fill, dtype=torch.float32, device=q.device) if poison else torch.empty(shape_p[:3], dtype=torch.float32, device=q.device)
+    sel = _selection_rows(block_idx, geo)
+    prec, upcast = _prec(q.dtype)
+    rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
+    qk_scale = float(scale) * 1.4426950408889634
+    with _DeviceGuard(q):
+        for n0 in range(0, geo.N, C):
+            c = min(C, geo.N - n0)
+            doc_start, pos = _row_docs(n0, c, geo.T, cu_seqlens, q.device)
+            it = _build_items(sel[:, n0 : n0 + c], doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
+            _sa_fwd_kernel[(it.max_items,)](
+                qf, kf, vf, OP, LP,
+                it.ent_q, it.ent_s, it.it_key, it.it_start, it.it_count,
+                geo.N, n0, qk_scale,
+                HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
+                OP, LP, it.nvalid, o, lse,
+                n0, c, geo.T,
+                HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=True,
+                BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
+            )
+    return o, lse
+
+
+def sparse_attention_bwd_triton(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    block_idx: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    block_size: int,
+    scale: float,
+    *,
+    dq_out: torch.Tensor | None = None,
+    dk_out: torch.Tensor | None = None,
+    dv_out: torch.Tensor | None = None,
+    config: KernelConfig | str | None = None,
+    chunk_rows: int | None = None,
+    poison: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `sparse_attention_fwd_triton`'s outputs given do (and dlse, or None)."""
+    geo = _geom(q, k, block_idx, block_size, cu_seqlens)
+    cfg = _pick(config, BWD_CONFIGS, BWD_DEFAULT, INTERPRET_BWD)
+    q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
+    dev = q.device
+    qf, kf, vf = q.contiguous(), k.contiguous(), v.contiguous()
+    of, dof = o.contiguous(), do.contiguous()
+    lsef = lse.contiguous().float()
+    dq = dq_out if dq_out is not None else torch.empty(q.shape, dtype=q.dtype, device=dev)
+    assert dq.is_contiguous()
+    lse2 = torch.empty((geo.N, geo.Hq), dtype=torch.float32, device=dev)
+    delta = torch.empty((geo.N, geo.Hq), dtype=torch.float32, device=dev)
+    dka = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
+    dva = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
+    pdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    C = _chunk_rows(geo, pdt.itemsize, 0, chunk_rows, BWD_CHUNK_BYTES)
+    shape_p = (C, geo.KS, geo.Hq, geo.D)
+    DQP = torch.full(shape_p, float("nan"), dtype=pdt, device=dev) if poison else torch.empty(shape_p, dtype=pdt, device=dev)
+    sel = _selection_rows(block_idx, geo)
+    prec, upcast = _prec(q.dtype)
+    rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
+    dlse_f = dlse.contiguous().float() if dlse is not None else lse2  # dummy pointer when absent
+    with _DeviceGuard(q):
+        _sa_bwd_pre_kernel[(triton.cdiv(geo.N, rbt), triton.cdiv(geo.Hq, rbh))](
+            of, dof, lsef, dlse_f, lse2, delta,
+            geo.N, geo.T,
+            HQ=geo.Hq, D=geo.D, HAS_DLSE=dlse is not None,
+            BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=4,
+        )
+        for n0 in range(0, geo.N, C):
+            c = min(C, geo.N - n0)
+            doc_start, pos = _row_docs(n0, c, geo.T, cu_seqlens, dev)
+            it = _build_items(sel[:, n0 : n0 + c], doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
+            _sa_bwd_kernel[(it.max_items,)](
+                qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
+                it.ent_q, it.ent_s, it.it_key, it.it_start, it.it_count,
+                geo.N, n0, float(scale) * 1.4426950408889634, float(scale),
+                HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
+                DQP, DQP, it.nvalid, dq, dq,
+                n0, c, geo.T,
+                HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=False,
+                BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
+            )
+    dk = dka.view(k.shape).to(k.dtype)
+    dv = dva.view(v.shape).to(v.dtype)
+    if dk_out is not None:
+        dk_out.copy_(dk)
+        dk = dk_out
+    if dv_out is not None:
+        dv_out.copy_(dv)
+        dv = dv_out
+    return dq, dk, dv
