@@ -19,6 +19,11 @@ class CLIError(Exception):
 
 # (module path, function) pairs; imported lazily so `msakit cost` does not import torch models.
 _COMMANDS: list[str] = [
+    "msakit.commands.demo",
+    "msakit.commands.train",
+    "msakit.commands.convert",
+    "msakit.commands.generate",
+    "msakit.commands.train_drafter",
     "msakit.cost",
 ]
 

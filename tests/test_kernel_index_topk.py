@@ -60,18 +60,54 @@ CASES = {
 }
 
 
+# Kernel variants (config overrides; the interpreter's default is the lane-split top-k):
+# every lane keeping whole rows (with the tile-level skip), and key tiles through tensor
+# descriptors (TMA on the GPU; the interpreter emulates their zero-filled bounds).
+VARIANTS = {
+    "default": None,
+    "lanes1_skip": dict(LANES=1, SKIP=True),
+    "lanes4_tma": dict(LANES=4, TMA=True),
+}
+# the cases the non-default variants also run (batch > 1, forced init/local blocks, padded
+# blocks and head dims, sub-tiles, fewer blocks than topk, a single token)
+VARIANT_CASES = ["groups_3_batch_2", "local2_init1", "block_not_mult16_Di24", "block_160_subtiles",
+                 "fewer_blocks_than_topk", "partial_last_block", "T_1"]
+
+
+def run_kernel(q, k, config=None, **kw):
+    if config is None:
+        return index_topk(q, k, backend="triton", **kw)
+    from msakit.ops.index_topk.triton import index_topk_triton
+
+    return index_topk_triton(q, k, config=config, **kw)
+
+
 @needs_kernel
-@pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_reference(name):
+@pytest.mark.parametrize(
+    "name,variant",
+    [(n, "default") for n in CASES] + [(n, v) for v in VARIANTS if v != "default" for n in VARIANT_CASES],
+)
+def test_kernel_matches_reference(name, variant):
     B, T, G, Di, bs, topk, loc, ini, dtype = CASES[name]
     q, k = int_inputs(B, T, G, Di, dtype)
     kw = dict(block_size=bs, topk=topk, local_blocks=loc, init_blocks=ini)
-    got = index_topk(q, k, backend="triton", **kw)
+    got = run_kernel(q, k, VARIANTS[variant], **kw)
     ref = index_topk_reference(q, k, **kw)
     assert_same_sets(got, ref)
     assert torch.equal(got, ref)  # exact inputs: the order matches the reference's too
     if name == "groups_3_batch_2":  # the groups really select differently
         assert not torch.equal(got[:, 0], got[:, 1]) and not torch.equal(got[:, 1], got[:, 2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_many_blocks_ties_and_topk_padding(variant):
+    # many key blocks per row (the unmasked loop dominates), heavy ties (values in [-1, 1]), and
+    # topk values that are / are not multiples of the 4 lanes (padded slots)
+    q, k = int_inputs(1, 330, 2, 16, lo=-1, hi=1, seed=11)
+    for topk in (7, 12):
+        kw = dict(block_size=16, topk=topk, local_blocks=1, init_blocks=0)
+        assert torch.equal(run_kernel(q, k, VARIANTS[variant], **kw), index_topk_reference(q, k, **kw))
 
 
 @needs_kernel
@@ -85,12 +121,13 @@ def test_kernel_random_floats_agree():
 
 
 @needs_kernel
-def test_kernel_varlen_three_documents():
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_varlen_three_documents(variant):
     lens = [70, 10, 150]  # the middle document is shorter than a block
     cu = torch.tensor([0, 70, 80, 230], dtype=torch.int32, device=DEV)
     q, k = int_inputs(1, sum(lens), 2, 32, seed=3)
     kw = dict(block_size=32, topk=3, local_blocks=2, init_blocks=1)
-    got = index_topk(q, k, cu_seqlens=cu, backend="triton", **kw)
+    got = run_kernel(q, k, VARIANTS[variant], cu_seqlens=cu, **kw)
     ref = index_topk_varlen_reference(q, k, cu, **kw)
     assert_same_sets(got, ref)
     # the varlen reference is the per-document reference, ids relative to each document
@@ -129,6 +166,20 @@ def test_varlen_tile_table_covers_each_tile_once():
     assert all(d < 0 for d, _ in tab.tolist()[len(real):])
 
 
+@needs_kernel
+def test_quantize_fp8_kernel_matches_reference():
+    from msakit.ops.index_topk.triton import quantize_fp8
+
+    gen = torch.Generator().manual_seed(9)
+    for shape in [(3, 37, 2, 24), (1, 5, 128)]:
+        x = (torch.randn(shape, generator=gen) * torch.rand(shape[:-1] + (1,), generator=gen) * 10).to(torch.bfloat16)
+        x.view(-1, shape[-1])[1] = 0.0  # an all-zero row
+        a, sa = quantize_fp8_rows(x)
+        b, sb = quantize_fp8(x.to(DEV))
+        assert b.dtype == torch.float8_e4m3fn and b.shape == x.shape and sb.shape == x.shape[:-1]
+        assert torch.equal(sa, sb.cpu()) and torch.equal(a.float(), b.cpu().float())
+
+
 def test_quantize_fp8_rows():
     x = torch.randn(5, 7, 32)
     x[0, 0] = 0.0
@@ -141,31 +192,38 @@ def test_quantize_fp8_rows():
 
 
 @needs_kernel
-def test_kernel_fp8_exact_inputs_equal_reference():
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_fp8_exact_inputs_equal_reference(variant):
     # integer rows in [-7, 7] with a +-7 in each row: scale 7/448 = 1/64, codes exact, so the fp8
     # scores are the exact scores (times 64^2) and the fp8 selection is the reference's
     q, k = int_inputs(2, 160, 2, 32, torch.float32, -7, 7, seed=5)
     q[..., 0], k[..., 0] = 7.0, -7.0
     q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
     kw = dict(block_size=16, topk=5, local_blocks=2, init_blocks=1)
-    got = index_topk(q, k, score_dtype="fp8", backend="triton", **kw)
+    got = run_kernel(q, k, VARIANTS[variant], score_dtype="fp8", **kw)
     ref = index_topk_reference(q, k, **kw)
     assert torch.equal(got, ref)
 
 
 @needs_kernel
-def test_kernel_fp8_random_matches_fp8_reference():
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_fp8_random_matches_fp8_reference(variant):
     gen = torch.Generator().manual_seed(6)
     q = torch.randn((1, 200, 2, 32), generator=gen).to(torch.bfloat16).to(DEV)
     k = (torch.randn((1, 200, 32), generator=gen) * torch.rand((1, 200, 1), generator=gen) * 3).to(torch.bfloat16).to(DEV)
     kw = dict(block_size=16, topk=4)
-    got = index_topk(q, k, score_dtype="fp8", backend="triton", **kw)
+    if variant == "default":
+        got = index_topk(q, k, score_dtype="fp8", backend="triton", **kw)
+    else:
+        from msakit.ops.index_topk.triton import index_topk_triton
+
+        got = index_topk_triton(q, k, score_dtype="fp8", config=VARIANTS[variant], **kw)
     ref = index_topk(q, k, score_dtype="fp8", backend="reference", **kw)
     qf, kf = fp8_scoring_inputs(q, k)
     assert torch.equal(ref, index_topk_reference(qf, kf, **kw))
     assert agreement_rate(got, ref)["agree"] >= 0.99
     cu = torch.tensor([0, 50, 200], dtype=torch.int32, device=DEV)
-    got_v = index_topk(q, k, score_dtype="fp8", cu_seqlens=cu, backend="triton", **kw)
+    got_v = run_kernel(q, k, VARIANTS[variant], score_dtype="fp8", cu_seqlens=cu, **kw)
     ref_v = index_topk(q, k, score_dtype="fp8", cu_seqlens=cu, backend="reference", **kw)
     assert agreement_rate(got_v, ref_v)["agree"] >= 0.99
 
@@ -247,10 +305,34 @@ def test_bench_imports_without_gpu():
     assert os.environ.get("TRITON_INTERPRET", "0") in ("0", "1")
 
 
+def test_shfl_layout_check():
+    """`shfl_layouts_ok` accepts exactly the [M, 4] layouts whose axis 1 is lane bits 0, 1."""
+    from msakit.ops.index_topk.triton import shfl_layouts_ok
+
+    asm = ('  %%b = tt.elementwise_inline_asm "shfl.sync.down.b32 $0, $1, 1, 0x1c1f, 0xffffffff;" '
+           '{constraints = "=r,r", packed_element = 1 : i32, pure = true} %%a : tensor<128x4xi32, %s> '
+           '-> tensor<128x4xi32, %s> loc(#loc1)\n')
+    blocked = ("#blocked3 = #ttg.blocked<{sizePerThread = [%s], threadsPerWarp = [%s], warpsPerCTA = [8, 1], "
+               "order = [%s]}>\n")
+    for spt, tpw, order, ok in [("1, 1", "8, 4", "1, 0", True), ("1, 1", "4, 8", "1, 0", True),
+                                ("1, 1", "8, 4", "0, 1", False), ("1, 1", "16, 2", "1, 0", False),
+                                ("1, 2", "16, 2", "1, 0", False), ("2, 1", "8, 4", "1, 0", True)]:
+        assert shfl_layouts_ok(blocked % (spt, tpw, order) + asm % ("#blocked3", "#blocked3")) == ok, (spt, tpw, order)
+    linear = ("#linear = #ttg.linear<{register = [[0, 0, 0, 1], [8, 0, 0, 0], [0, 1, 0, 0]], lane = [%s, [1, 0, 0, 0], "
+              "[2, 0, 0, 0], [4, 0, 0, 0]], warp = [[16, 0, 0, 0]], block = []}>\n")
+    sl = "#ttg.slice<{dim = 1, parent = #ttg.slice<{dim = 3, parent = #linear}>}>"
+    assert shfl_layouts_ok(linear % "[0, 0, 1, 0], [0, 0, 2, 0]" + asm % (sl, sl))
+    assert not shfl_layouts_ok(linear % "[0, 0, 2, 0], [0, 0, 1, 0]" + asm % (sl, sl))
+    assert not shfl_layouts_ok(asm % ("#mma", "#mma"))  # unknown encodings fail closed
+    assert shfl_layouts_ok("no shuffles here")
+
+
 def test_kernel_compiles_for_sm90_without_spills():
     """Compile (no launch) the M3-shape kernels for sm_90 with the wheel's ptxas, in a process
     without TRITON_INTERPRET: catches what only the real compiler rejects (non-constexpr
-    globals, unsupported ops) and register spills, on a machine without a GPU."""
+    globals, unsupported ops), register spills, lost occupancy and shuffle layouts the
+    lane-split top-k does not expect, on a machine without a GPU.  Covers the defaults, every
+    bench.CANDIDATE_CONFIGS entry (bf16) and the small tiles of tiny sequences."""
     import json
     import subprocess
     import sys
@@ -265,14 +347,26 @@ def test_kernel_compiles_for_sm90_without_spills():
     env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
     code = (
         "import json; from msakit.ops.index_topk.triton import compile_report; "
-        "print(json.dumps(compile_report()))"
+        "from msakit.ops.index_topk.bench import CANDIDATE_CONFIGS as C; "
+        "print(json.dumps([compile_report() + compile_report(configs={'bf16': C, 'fp8': [], 'bf16_varlen': []}), "
+        "compile_report(T=3, configs={'bf16': [None], 'fp8': [], 'bf16_varlen': []}) "
+        "+ compile_report(T=8, G=1, configs={'bf16': [None], 'fp8': [None], 'bf16_varlen': []})]))"
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    rows, tiny = json.loads(res.stdout.strip().splitlines()[-1])
     assert {r["variant"] for r in rows} == {"bf16", "fp8", "bf16_varlen"}
+    for r in tiny:  # tiny sequences (16- and 32-row tiles): other layouts, same shuffle contract
+        assert r["shfl_layout_ok"] and r["stack"] == 0, r
     for r in rows:
-        assert r["stack"] == 0 and r["local_loads"] == 0, r  # no register spills
         assert r["gmma"] > 0, r  # Hopper wgmma (HGMMA / QGMMA for fp8)
-        assert r["async_copies"] > 0, r  # key tiles are software-pipelined
-        assert r["shared"] <= 227 * 1024, r
+        assert r["async_copies"] + r["tma_copies"] > 0, r  # key tiles are software-pipelined
+        assert r["shared"] <= 227 * 1024 and r["ctas_per_sm"] >= 1, r
+        assert r["shfl_layout_ok"], r  # the quad shuffles read the right lanes
+        cfg = r["config"] or {}
+        if cfg.get("num_warps") == 4 and cfg.get("BLOCK_M") == 128 and not cfg.get("TMA"):
+            assert r["stack"] <= 16, r  # 128 rows x 4 warps with cp.async addresses: a word or two
+        else:
+            assert r["stack"] == 0 and r["local_loads"] == 0, r  # no register spills
+        if r["config"] is None and r["variant"] != "bf16_varlen":
+            assert r["ctas_per_sm"] == 2, r  # the defaults overlap two CTAs per SM

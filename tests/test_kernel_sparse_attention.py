@@ -170,6 +170,8 @@ def test_chunks_poison_and_configs():
         dict(chunk_rows=33),
         dict(config=K.KernelConfig(16, 16, 4, 1, False)),
         dict(config=K.KernelConfig(16, 8, 4, 1, True), chunk_rows=50),
+        dict(config=K.KernelConfig(16, 16, 4, 1, True, True)),  # QREG
+        dict(config=K.KernelConfig(16, 8, 4, 1, False, True, 20000)),  # QREG, chunk budget
     ]
     for kw in variants:
         o = torch.full_like(q, float("nan"))
@@ -304,3 +306,25 @@ def test_opcheck_and_autograd_function():
     want = torch.autograd.grad(ro.square().sum() + rl.sum(), (q, k, v))
     for a, b in zip(grads, want):
         torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
+
+
+def test_ablations_run():
+    """The GPU profiling switches compile and run (their results are meaningless), and the
+    un-ablated call afterwards is unchanged."""
+    K = kernels()
+    B, T, Hq, G, D, bs, topk = 1, 40, 4, 2, 16, 16, 3
+    q, k, v = make_inputs(B, T, Hq, G, D, seed=71)
+    bi = messy_block_idx(B, G, T, bs, topk, seed=71)
+    scale = 1.0 / math.sqrt(D)
+    o0, l0 = K.sparse_attention_fwd_triton(q, k, v, bi, None, bs, scale)
+    do = torch.randn(o0.shape, generator=torch.Generator().manual_seed(1))
+    g0 = K.sparse_attention_bwd_triton(do, q, k, v, o0, l0, None, bi, None, bs, scale)
+    for a in (1 | 2 | 8, 4):
+        K.sparse_attention_fwd_triton(q, k, v, bi, None, bs, scale, ablate=a)
+        K.sparse_attention_bwd_triton(do, q, k, v, o0, l0, None, bi, None, bs, scale, ablate=a | 3)
+    o1, l1 = K.sparse_attention_fwd_triton(q, k, v, bi, None, bs, scale)
+    assert torch.equal(o1, o0) and torch.equal(l1, l0)
+    g1 = K.sparse_attention_bwd_triton(do, q, k, v, o0, l0, None, bi, None, bs, scale)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert set(bench.FWD_ABLATIONS) >= {"base", "no_merge"} and set(bench.BWD_ABLATIONS) >= {"base", "no_reduce"}

@@ -31,6 +31,7 @@ __all__ = [
     "INDEX_FILE",
     "hf_state_items",
     "save_weights",
+    "save_tensors",
     "load_weights",
     "weight_files",
     "save_pretrained",
@@ -89,12 +90,21 @@ def _shards(items: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tupl
 
 def save_weights(model: nn.Module, folder: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> list[Path]:
     """Write the weights as safetensors into `folder`; returns the files written."""
+    return save_tensors(hf_state_items(model), folder, max_shard_size=max_shard_size)
+
+
+def save_tensors(
+    items: Iterable[tuple[str, torch.Tensor]], folder: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
+) -> list[Path]:
+    """Write (name, tensor) pairs as safetensors into `folder` (single file or shards + index,
+    replacing an earlier checkpoint's weight files); returns the files written.  Also used by
+    msakit.quant.checkpoint for packed (quantized) tensors."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     limit = parse_size(max_shard_size)
-    items = list(hf_state_items(model))
+    items = list(items)
     shards = _shards(items, limit)
     for old in list(folder.glob("model-*-of-*.safetensors")) + [folder / SINGLE_FILE, folder / INDEX_FILE]:
         if old.exists():

@@ -1,7 +1,8 @@
 """GPU check and benchmark of the fused Triton `index_topk` (imports on CPU; runs on CUDA).
 
-    from msakit.ops.index_topk.bench import check_and_bench
+    from msakit.ops.index_topk.bench import check_and_bench, CANDIDATE_CONFIGS
     rows = check_and_bench()            # T = 16K .. 1M at the M3 shape, bf16 and fp8 scoring
+    rows = check_and_bench(T_list=(131072,), configs=CANDIDATE_CONFIGS)   # config sweep
 
 Correctness on long sequences uses `rows_reference`: the reference's meaning evaluated only for
 a sample of (batch, group, query) rows (row i depends on tokens <= i only), O(rows * T) instead
@@ -19,16 +20,25 @@ from .reference import fp8_scoring_inputs
 
 M3_SHAPE = dict(G=4, Di=128, block_size=128, topk=16)
 
-# Kernel configurations worth timing on the GPU (check_and_bench(configs=CANDIDATE_CONFIGS)):
-# 128 rows x 8 warps (1 CTA/SM: 244 regs, 129 KiB smem at 3 stages) vs 64 rows x 4 warps
-# (2 CTAs/SM fit: 220 regs x 128 threads, 81 KiB), with and without the tile-level skip.
+# Kernel configurations worth timing on the GPU (check_and_bench(configs=CANDIDATE_CONFIGS)); the
+# first is the previous default.  LANES=4 splits each row's 16 top-k slots over the 4 lanes that
+# hold the row in the wgmma accumulator (~3x fewer ALU instructions per key block than LANES=1,
+# which every lane of the quad repeats); TMA loads key tiles by tensor-map copies (no per-thread
+# addresses); 2 CTAs per SM (128 rows x 8 warps capped at 128 registers, or x 4 warps, with 2
+# key stages) let one CTA's ALU work overlap the other's wgmma.  maxnreg caps the registers
+# (fp8 then spills a little).  Registers / shared memory / CTAs per SM:
+# triton.compile_report(configs={"bf16": CANDIDATE_CONFIGS, "fp8": CANDIDATE_CONFIGS}).
 CANDIDATE_CONFIGS = [
-    dict(BLOCK_M=128, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, num_warps=8, num_stages=2),
-    dict(BLOCK_M=128, num_warps=8, num_stages=3, SKIP=False),
-    dict(BLOCK_M=64, num_warps=4, num_stages=2),
-    dict(BLOCK_M=64, num_warps=4, num_stages=3),
-    dict(BLOCK_M=64, num_warps=4, num_stages=2, SKIP=False),
+    dict(BLOCK_M=128, num_warps=8, num_stages=3, LANES=1, SKIP=True, TMA=False),  # 0 previous default (new loops)
+    dict(BLOCK_M=128, num_warps=8, num_stages=3, LANES=4, TMA=False),  # 1 1 CTA/SM, cp.async
+    dict(BLOCK_M=128, num_warps=8, num_stages=3, LANES=4, TMA=True),  # 2 1 CTA/SM, TMA
+    dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=False, maxnreg=128),  # 3 2 CTAs x 8 warps
+    dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=True, maxnreg=128),  # 4 same, TMA (bf16 default)
+    dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=True, maxnreg=128, SHFL=False),  # 5 = 4, gather
+    dict(BLOCK_M=128, num_warps=4, num_stages=2, LANES=4, TMA=True),  # 6 2 CTAs x 4 warps, TMA
+    dict(BLOCK_M=128, num_warps=4, num_stages=4, LANES=4, TMA=True),  # 7 fp8 default (2 CTAs); bf16: 1 CTA
+    dict(BLOCK_M=64, num_warps=4, num_stages=3, LANES=4, TMA=True),  # 8 2 CTAs, 2x the key traffic
+    dict(BLOCK_M=256, num_warps=8, num_stages=2, LANES=4, TMA=True),  # 9 1 CTA, half the key traffic
 ]
 
 
@@ -211,11 +221,12 @@ def check_and_bench(
     reference on n_check_rows rows (fp8: vs the reference on the fp8-rounded inputs, plus
     agree_vs_bf16_ref / recall_vs_bf16_ref against the unquantized reference), peak_extra_bytes
     (max_memory_allocated delta during one call, output included) and out_bytes, ok (agree_tol
-    >= 0.999).  `configs` (list of {BLOCK_M, num_warps, num_stages}) sweeps kernel configs.
+    >= 0.999), and for fp8 quant_ms (quantizing q_idx and k_idx).  `configs` (list of config
+    dicts, e.g. CANDIDATE_CONFIGS) sweeps kernel configs.
     """
     from . import index_topk
     from .reference import quantize_fp8_rows
-    from .triton import launch
+    from .triton import launch, quantize_fp8
 
     dev = torch.device(device)
     sel_kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
@@ -261,6 +272,7 @@ def check_and_bench(
                     row["ms"] = ms
                     if fp8:
                         row["kernel_ms"] = _time_ms(lambda: launch(q8, k8, ks, config=cfg, **sel_kw))
+                        row["quant_ms"] = _time_ms(lambda: (quantize_fp8(q), quantize_fp8(k)))
                     else:
                         row["kernel_ms"] = ms
                     row["tflops"] = flops / (ms * 1e-3) / 1e12
@@ -291,6 +303,8 @@ def _fmt(row: dict) -> str:
         f"recall {row['recall']:.5f}, peak +{row['peak_extra_bytes'] / 2**20:.0f} MiB "
         f"(out {row['out_bytes'] / 2**20:.0f} MiB)"
     )
+    if "quant_ms" in row:
+        s += f", fp8 quantization {row['quant_ms']:.3f} ms"
     if "agree_vs_bf16_ref" in row:
         s += f", vs bf16 ref agree {row['agree_vs_bf16_ref']:.4f} recall {row['recall_vs_bf16_ref']:.4f}"
     return s

@@ -14,8 +14,13 @@ block kb as
 
 with one tl.dot [BLOCK_M, Di] x [Di, BLOCK_N] (bf16/fp16/fp8 operands, fp32 accumulation) per
 sub-tile of BLOCK_N keys (block_size = NSUB * BLOCK_N, the last sub-tile column-masked when
-block_size is not a multiple of BLOCK_N).  Blocks entirely before the tile's first token need
-no causal mask; the remaining (diagonal) blocks are masked per element.
+block_size is not a multiple of BLOCK_N).  The key blocks run in three ascending loops: the
+init blocks before the tile (forced for every row), the blocks before the tile that no row
+forces (no mask, no forcing, no load predicates: almost all the work at long T), then the
+last ones (local blocks and the diagonal) with the causal mask and the per-row forcing.
+Key tiles come by per-thread cp.async (pipelined by Triton) or, with TMA, by tensor-map copies
+of a [B * T, Di] descriptor (no per-thread address arithmetic; rows past the sequence are
+masked by the causal mask, zeros past the tensor).
 
 The grid is 1-D over (tile, batch), heaviest (last) tiles first so the long programs start
 early and the short ones fill the tail.  Packed documents (cu_seqlens) use a device-built
@@ -38,12 +43,27 @@ earlier (lower) id, and among equal scores the newest (highest id) sits lowest, 
 evicted first.  The kept set is exactly the topk largest (score, -id) keys, the reference's
 ranking.  Empty slots hold (-inf, -1), so the row written out as slots topk-1 .. 0 is the
 reference's order: forced ids ascending, then by score (ties to the lower id), then -1.
-Optionally (SKIP, default on) a tile skips the network when no row's score beats its minimum.
+
+Where the state lives (LANES).  In the wgmma accumulator the 4 lanes of a quad hold the same
+rows (lane t: the columns c with (c // 2) % 4 == t).  LANES=1 reduces each row to one value and
+keeps all `topk` slots in every lane of the quad, so the 4 lanes run the same network 4 times.
+LANES=4 keeps the per-lane partial maxima [BLOCK_M, 4] (a reshape of the score tile, reduced
+inside each thread), takes the row max with 2 quad shuffles, and splits the KP = 4 * ceil(topk
+/ 4) slots over the quad: lane t holds slots KL*t .. KL*t + KL - 1 (KL = KP / 4), so each lane
+runs a KL-slot network whose top slot's upper neighbour is lane t + 1's slot 0 (one shfl.down
+of the value and of the id; +inf above lane 3).  The top topk of the KP slots are written
+out.  That is ~3x fewer ALU-pipe instructions per key block (the row max, 64 FMNMX per thread,
+is then the largest part), and 4x less state (16 instead of 64 registers for 2 rows).  The
+shuffle assumes the quad is the tensor's axis 1 (lane bits 0, 1), which `shfl_layouts_ok`
+checks on the compiled TTGIR (at the first launch of each configuration, and in the tests);
+the interpreter runs the same network with a gather.  Optionally (SKIP, LANES=1 only) a tile
+skips the network when no row's score beats its minimum (rarely, with 128 rows a tile).
 
 FP8 scoring (score_dtype="fp8")
 -------------------------------
 q_idx and k_idx are quantized per row to float8_e4m3fn with float32 scales (reference.py,
-`quantize_fp8_rows`); the fp8 x fp8 dot runs at twice the bf16 rate on Hopper.  The q scale
+`quantize_fp8_rows`, bit for bit by `quantize_fp8`, one Triton pass each); the fp8 x fp8 dot
+runs at twice the bf16 rate on Hopper.  The q scale
 is positive per row and cannot change the row's ranking, so it is dropped; the k scale varies
 along the row and multiplies each score column before the block max.
 """
@@ -54,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpret_mode
+from .._dispatch import interpret_mode, warn_once
 
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
@@ -349,8 +369,9 @@ def _quantize_fp8_kernel(x_ptr, xq_ptr, s_ptr, n_rows, D, stride_x,
     m = r_ok[:, None] & (d < D)[None, :]
     r64 = r.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * stride_x + d[None, :], mask=m, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, FP8_TINY)
-    y = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+    # IEEE-rounded divisions (Triton's `/` is the approximate div.full.f32), as torch divides
+    s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), tl.full([BLOCK_R], 448.0, tl.float32)), FP8_TINY)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(s[:, None], [BLOCK_R, BLOCK_D])), -448.0), 448.0)
     if CAST:
         y = y.to(tl.float8e4nv)
     tl.store(xq_ptr + r64[:, None] * D + d[None, :], y, mask=m)
@@ -378,12 +399,19 @@ def block_n_for(block_size: int, cap: int = 128) -> int:
 # num_warps, num_stages): LANES (4: top-k slots split over the 4 lanes of a quad, 1: every lane
 # keeps a row's whole top-k), TMA (key tiles by tensor-memory-accelerator copies instead of
 # per-thread cp.async), SKIP (LANES=1 only: the tile skips the insert when no row improves),
-# BLOCK_N_MAX (keys per dot).
+# BLOCK_N_MAX (keys per dot), maxnreg (register cap), SHFL (LANES=4: False takes the lane
+# neighbour by tl.gather, which moves the row max through shared memory, instead of the inline
+# shfl.down; the fallback when `shfl_layouts_ok` rejects a layout).  The 16-bit default fits 2 CTAs per SM
+# (128 registers x 8 warps, 97 KiB shared memory with 2 key stages): one CTA's reductions and
+# top-k run while the other's wgmma runs -- a single warpgroup cannot overlap them itself
+# (Triton waits for each dot before its first use, and a dot left in flight across iterations
+# makes ptxas serialise the wgmma, C7514).  fp8 (fewer shared-memory bytes, more registers for
+# the key scales) gets there with 4 warps x 128 rows.  See bench.CANDIDATE_CONFIGS.
 GPU_CONFIGS = {
-    ("16bit", 128): dict(BLOCK_M=128, num_warps=8, num_stages=3, LANES=4, TMA=False),
-    ("16bit", 256): dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=False),
-    ("fp8", 128): dict(BLOCK_M=128, num_warps=8, num_stages=4, LANES=4, TMA=False),
-    ("fp8", 256): dict(BLOCK_M=128, num_warps=8, num_stages=3, LANES=4, TMA=False),
+    ("16bit", 128): dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=True, maxnreg=128),
+    ("16bit", 256): dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=True),
+    ("fp8", 128): dict(BLOCK_M=128, num_warps=4, num_stages=4, LANES=4, TMA=True),
+    ("fp8", 256): dict(BLOCK_M=128, num_warps=4, num_stages=2, LANES=4, TMA=True),
     # float32 inputs: 3-pass tf32 (near-fp32 accuracy); 64-key tiles to fit shared memory
     ("fp32", 128): dict(BLOCK_M=64, BLOCK_N_MAX=64, num_warps=4, num_stages=2, LANES=4, TMA=False),
     ("fp32", 256): dict(BLOCK_M=64, BLOCK_N_MAX=32, num_warps=4, num_stages=2, LANES=4, TMA=False),
@@ -436,7 +464,11 @@ def index_topk_triton(
     score_dtype: str | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Kernel entry (arguments already checked by `index_topk`).  Returns int32 [B, G, T, topk]."""
+    """Kernel entry (arguments already checked by `index_topk`).  Returns int32 [B, G, T, topk].
+
+    config: overrides of the default configuration (`GPU_CONFIGS`); one with num_warps is a whole
+    configuration, whose omitted variant keys mean LANES=1, TMA off, SKIP on, no register cap.
+    """
     if score_dtype == "fp8":
         q8, _ = quantize_fp8(q_idx)
         k8, ks = quantize_fp8(k_idx)
@@ -486,6 +518,9 @@ def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_s
     kind = "fp8" if fp8 else ("fp32" if q.dtype == torch.float32 else "16bit")
     cfg = default_config(kind, Di)
     if config:
+        if "num_warps" in config:  # a whole configuration: variant keys it omits take their base values
+            for key in ("LANES", "TMA", "SKIP", "maxnreg", "SHFL"):  # LANES=1, TMA off, SKIP on, no cap
+                cfg.pop(key, None)
         cfg.update(config)
     block_m = int(cfg["BLOCK_M"])
     block_m = max(16, min(block_m, _next_pow2(T * G)))  # tiny sequences: smaller tiles
@@ -545,9 +580,11 @@ def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_s
         VARLEN=cu_seqlens is not None, USE_KSCALE=fp8,
         DOT_F32=interpret_mode() and q.dtype == torch.bfloat16,
         TF32X3=q.dtype == torch.float32,
-        LANES=lanes, SHFL_ASM=lanes == 4 and not interpret_mode(), TMA=use_tma,
+        LANES=lanes, SHFL_ASM=lanes == 4 and bool(cfg.get("SHFL", True)) and not interpret_mode(), TMA=use_tma,
     )
     options = dict(num_warps=int(cfg["num_warps"]), num_stages=num_stages)
+    if cfg.get("maxnreg") and not interpret_mode():  # register cap (e.g. 128: 2 CTAs of 8 warps per SM)
+        options["maxnreg"] = int(cfg["maxnreg"])
     return out, grid, args, constexprs, options
 
 
@@ -569,8 +606,29 @@ def launch(
         init_blocks=init_blocks, cu_seqlens=cu_seqlens, config=config,
     )
     if grid[0] > 0:
+        if constexprs["SHFL_ASM"] and not _shfl_checked(args, grid, constexprs, options):
+            constexprs["SHFL_ASM"] = False  # an unexpected layout: the gather (correct, slower)
         _index_topk_kernel[grid](*args, **constexprs, **options)
     return out
+
+
+_SHFL_OK: dict = {}
+
+
+def _shfl_checked(args, grid, constexprs, options) -> bool:
+    """Compile (once per configuration, no launch) and check the quad shuffles' layouts."""
+    key = (tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+    ok = _SHFL_OK.get(key)
+    if ok is None:
+        ck = _index_topk_kernel.warmup(*args, grid=grid, **constexprs, **options)
+        if hasattr(ck, "result"):
+            ck = ck.result()
+        ok = ck is not None and shfl_layouts_ok(ck.asm["ttgir"])
+        _SHFL_OK[key] = ok
+        if not ok:
+            warn_once(f"index_topk_shfl_{key}", "msakit: index_topk's lane-split top-k got an unexpected register "
+                      "layout; using the slower gather for this configuration")
+    return ok
 
 
 # ----------------------------------------------------------------------------- ahead-of-time check
@@ -620,8 +678,133 @@ def compile_for(q, k, k_scale=None, *, capability: int = 90, **kw):
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
-def resource_usage(compiled) -> dict:
-    """Registers, spill stack and shared memory of a compiled kernel (cuobjdump from the wheel)."""
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    """Split at `sep` outside <>, [], {} and ()."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "<[{(":
+            depth += 1
+        elif ch in ">]})":
+            depth -= 1
+        if ch == sep and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def _layout_bases(layout: str, defs: dict, shape: list[int]):
+    """(register, lane, warp) bases of a TTGIR distributed layout over `shape`, or None."""
+    import json
+
+    layout = layout.strip()
+    if layout.startswith("#") and not layout.startswith("#ttg."):
+        return _layout_bases(defs[layout], defs, shape) if layout in defs else None
+    body = layout[layout.index("<{") + 2: layout.rindex("}>")] if "<{" in layout else ""
+    fields = {}
+    for item in _split_top(body):
+        if "=" in item:
+            key, val = item.split("=", 1)
+            fields[key.strip()] = val.strip()
+    if layout.startswith("#ttg.linear"):
+        return tuple(json.loads(fields[k]) for k in ("register", "lane", "warp"))
+    if layout.startswith("#ttg.slice"):
+        d = int(fields["dim"])
+        parent = _layout_bases(fields["parent"], defs, shape[:d] + [1] + shape[d:])
+        if parent is None:
+            return None
+        return tuple([b[:d] + b[d + 1:] for b in bases] for bases in parent)
+    if layout.startswith("#ttg.blocked"):
+        keys = ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")
+        spt, tpw, wpc, order = (json.loads(fields[k]) for k in keys)
+        rank = len(shape)
+
+        def unit(d, v):
+            e = [0] * rank
+            e[d] = v if v < shape[d] else 0  # past the tensor: broadcast
+            return e
+
+        reg, lane, warp = [], [], []
+        for d in order:
+            reg += [unit(d, 1 << i) for i in range(spt[d].bit_length() - 1)]
+        for d in order:
+            lane += [unit(d, spt[d] << i) for i in range(tpw[d].bit_length() - 1)]
+        for d in order:
+            warp += [unit(d, spt[d] * tpw[d] << i) for i in range(wpc[d].bit_length() - 1)]
+        for d in order:
+            k = spt[d] * tpw[d] * wpc[d]
+            while k < shape[d]:
+                reg.append(unit(d, k))
+                k *= 2
+        return reg, lane, warp
+    return None  # other encodings (mma, dot operands): not expected here
+
+
+def shfl_layouts_ok(ttgir: str) -> bool:
+    """Whether every quad shuffle (`_next_lane`'s inline asm) runs on a [M, 4] tensor whose axis 1
+    is exactly lane bits 0 and 1 (so shfl.down by 1 in 4-lane segments reads t + 1 of the same
+    row): lane bases 0, 1 are [0, 1], [0, 2] and no other register/lane/warp base moves axis 1."""
+    import re
+
+    defs = {}
+    for line in ttgir.splitlines():
+        m = re.match(r"^(#[A-Za-z_0-9]+) = (#ttg\..*)$", line.strip())
+        if m:
+            defs[m.group(1)] = m.group(2)
+    for m in re.finditer(r'tt\.elementwise_inline_asm "shfl\.sync\.down[^\n]*?: (tensor<.*)$', ttgir, re.M):
+        ty = m.group(1)
+        inner = ty[len("tensor<"):]
+        parts = _split_top(inner[: inner.rindex(">")] if "->" not in inner else inner.split("->")[0].rstrip()[:-1])
+        dims = parts[0].split("x")[:-1]
+        shape = [int(v) for v in dims]
+        bases = _layout_bases(parts[1], defs, shape) if len(parts) > 1 else None
+        if bases is None or len(shape) != 2 or shape[1] != 4:
+            return False
+        reg, lane, warp = bases
+        if len(lane) < 2 or lane[0] != [0, 1] or lane[1] != [0, 2]:
+            return False
+        if any(b[1] != 0 for b in reg + lane[2:] + warp):
+            return False
+    return True
+
+
+# SASS instructions of the integer/compare/select ("ALU") pipe, half rate on sm_90: the per-block
+# row max (FMNMX) and the top-k network (FSETP/FSEL/SEL) run here
+_ALU_OPS = ("FMNMX", "SEL", "FSEL", "FSETP", "ISETP", "IADD3", "LOP3", "SHF", "VIMNMX", "P2R", "R2P", "PLOP3",
+            "IMNMX", "LEA", "PRMT", "VIADD", "IABS", "BMSK")
+
+
+def _sass_loops(sass: str) -> list[list[tuple[int, str]]]:
+    """Bodies (address, opcode) of the backward-branch loops that contain a wgmma, smallest first."""
+    import re
+
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    addr = {a: i for i, (a, _, _) in enumerate(ins)}
+    loops = []
+    for i, (a, op, rest) in enumerate(ins):
+        m = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in addr:
+            body = [(x, o) for x, o, _ in ins[addr[int(m.group(1), 16)]: i + 1]]
+            if any("GMMA" in o for _, o in body):
+                loops.append(body)
+    return sorted(loops, key=len)
+
+
+def resource_usage(compiled, num_warps: int | None = None) -> dict:
+    """Registers, spill stack, shared memory, occupancy and the main loop of a compiled kernel.
+
+    main_loop_*: the smallest loop holding the wgmma (the unmasked key-block loop): its SASS
+    instruction count, ALU-pipe instructions (`_ALU_OPS`), wgmma instructions, wgmma waits
+    (WARPGROUP.DEPBAR), CTA barriers, and `wait_then_alu`: the wait comes right after the last
+    wgmma of the block, before the block's reduction (no MMA/ALU overlap inside a warpgroup).
+    """
     import os
     import re
     import subprocess
@@ -636,19 +819,49 @@ def resource_usage(compiled) -> dict:
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
     reg = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
-    return {
-        "regs": int(reg.group(1)) if reg else -1,
+    regs = int(reg.group(1)) if reg else -1
+    shared = int(compiled.metadata.shared)
+    warps = num_warps or int(compiled.metadata.num_warps)
+    # CTAs per SM: 64K registers (per-warp allocation in 256-register units), 228 KiB shared
+    # memory (+1 KiB reserved per CTA), 64 warps
+    reg_warp = -(-max(regs, 1) * 32 // 256) * 256
+    ctas = min(65536 // (reg_warp * warps), (228 * 1024) // (shared + 1024), 64 // warps)
+    row = {
+        "regs": regs,
         "stack": int(stack.group(1)) if stack else -1,
-        "shared": int(compiled.metadata.shared),
+        "shared": shared,
+        "ctas_per_sm": ctas,
         "local_loads": sass.count("LDL"),
         "gmma": sass.count("HGMMA") + sass.count("QGMMA"),
         "async_copies": compiled.asm["ttgir"].count("async_copy_global_to_local"),
+        "tma_copies": compiled.asm["ttgir"].count("async_tma_copy_global_to_local"),
+        "shfl_layout_ok": shfl_layouts_ok(compiled.asm["ttgir"]),
     }
+    loops = _sass_loops(sass)
+    if loops:
+        body = loops[0]
+        ops = [o.split(".")[0] for _, o in body]
+        last_mma = max(i for i, o in enumerate(ops) if o in ("HGMMA", "QGMMA"))
+        waits = [i for i, (_, o) in enumerate(body) if o.startswith("WARPGROUP.DEPBAR")]
+        first_max = next((i for i, o in enumerate(ops) if o == "FMNMX" and i > last_mma), None)
+        row.update(
+            main_loop_instrs=len(body),
+            main_loop_alu=sum(o in _ALU_OPS for o in ops),
+            main_loop_gmma=sum(o in ("HGMMA", "QGMMA") for o in ops),
+            main_loop_waits=len(waits),
+            main_loop_bars=ops.count("BAR"),
+            wait_then_alu=bool(waits) and first_max is not None and any(last_mma < w < first_max for w in waits),
+        )
+    return row
 
 
 def compile_report(T: int = 4096, G: int = 4, Di: int = 128, block_size: int = 128, topk: int = 16,
                    configs: dict | None = None) -> list[dict]:
-    """sm_90 resource usage of the M3-shape kernels (bf16, fp8, varlen bf16), without a GPU."""
+    """sm_90 resource usage of the M3-shape kernels (bf16, fp8, varlen bf16), without a GPU.
+
+    configs: {variant: [config dict or None (the default), ...]} for variants "bf16", "fp8",
+    "bf16_varlen" (default: the default configuration of each).
+    """
     q = torch.empty((1, T, G, Di), dtype=torch.bfloat16)
     k = torch.empty((1, T, Di), dtype=torch.bfloat16)
     q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)

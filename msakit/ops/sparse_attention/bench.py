@@ -319,3 +319,154 @@ if __name__ == "__main__":  # pragma: no cover
 
     Ts = tuple(int(x) for x in sys.argv[1:]) or (16384, 65536, 131072, 262144, 1048576)
     print(json.dumps(check_and_bench(Ts), indent=1))
+
+
+# ----------------------------------------------------------------------------- quick sweep / ablations
+# Ablation bits of `triton.sparse_attention_{fwd,bwd}_triton(ablate=...)` (results are wrong
+# under any of them; timing only).  Forward: 1 = no partial o/lse stores, 2 = FIXED_Q (no Q
+# gather), 4 = FIXED_STORE (stores to one row per program: no scattered stores), 8 = no merge.
+# Backward: 1 = no dQ partial stores, 2 = FIXED_Q (no Q/dO/lse/delta gather), 4 = no dK/dV
+# atomics, 8 = no dQ reduce.
+# Each distinct kernel bit set is one more compile (~2-3 s): the default profiles keep to
+# three per direction (fixed_store = 4 and no_atomics = 4 are there to add when needed).
+FWD_ABLATIONS = {"base": 0, "no_partial_store": 1, "fixed_q": 2, "no_merge": 8, "compute_only": 1 | 2 | 8}
+BWD_ABLATIONS = {"base": 0, "no_dq_store": 1, "fixed_q": 2, "no_reduce": 8, "compute_only": 15}
+
+
+def _time_quick(fn, reps: int = 2) -> float:
+    """Min of `reps` timed calls after one warm-up call (which also compiles), in ms."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return float(min(ts))
+
+
+def _m3_inputs(T: int, device="cuda", seed: int = 1, dtype=torch.bfloat16):
+    dev = torch.device(device)
+    s = M3_SHAPE
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn((1, T, s["Hq"], s["D"]), generator=g, device=dev, dtype=dtype)
+    k = torch.randn((1, T, s["G"], s["D"]), generator=g, device=dev, dtype=dtype)
+    v = torch.randn((1, T, s["G"], s["D"]), generator=g, device=dev, dtype=dtype)
+    bi = random_block_idx(1, s["G"], T, s["block_size"], s["topk"], g, dev)
+    do = torch.randn((1, T, s["Hq"], s["D"]), generator=g, device=dev, dtype=dtype)
+    return q, k, v, bi, do
+
+
+def _fwd_call(kernels, inp, cfg, ablate=0, out=None):
+    q, k, v, bi, _ = inp
+    bs = M3_SHAPE["block_size"]
+    o, lse = out if out is not None else (None, None)
+    return lambda: kernels.sparse_attention_fwd_triton(q, k, v, bi, None, bs, 1.0 / math.sqrt(q.shape[-1]), out=o, lse_out=lse, config=cfg, ablate=ablate)
+
+
+def _bwd_call(kernels, inp, o, lse, cfg, ablate=0, grads=None):
+    q, k, v, bi, do = inp
+    bs = M3_SHAPE["block_size"]
+    dq = grads[0] if grads is not None else None
+    return lambda: kernels.sparse_attention_bwd_triton(do, q, k, v, o, lse, None, bi, None, bs, 1.0 / math.sqrt(q.shape[-1]), dq_out=dq, config=cfg, ablate=ablate)
+
+
+def sweep_configs(T: int = 131072, inp=None, reps: int = 2, verbose: bool = True) -> dict:
+    """Times every FWD_CONFIGS / BWD_CONFIGS entry (kernels alone, backward without the
+    forward) at the M3 shape and sets triton.FWD_DEFAULT / BWD_DEFAULT to the fastest."""
+    from . import triton as kernels
+
+    inp = inp if inp is not None else _m3_inputs(T)
+    flops = 4.0 * M3_SHAPE["Hq"] * M3_SHAPE["D"] * M3_SHAPE["topk"] * M3_SHAPE["block_size"] * T
+    o = torch.empty_like(inp[0])
+    lse = torch.empty((1, M3_SHAPE["Hq"], T), device=o.device, dtype=torch.float32)
+    res = {"fwd": {}, "bwd": {}}
+    for name in kernels.FWD_CONFIGS:
+        try:
+            ms = _time_quick(_fwd_call(kernels, inp, name, out=(o, lse)), reps)
+            res["fwd"][name] = (round(ms, 2), round(flops / ms / 1e9, 1))
+        except Exception as ex:  # reported, not fatal
+            res["fwd"][name] = f"{type(ex).__name__}: {ex}"[:300]
+        if verbose:
+            print("fwd", name, res["fwd"][name], flush=True)
+    ok = {n: v[0] for n, v in res["fwd"].items() if isinstance(v, tuple)}
+    if ok:
+        kernels.FWD_DEFAULT = min(ok, key=ok.get)
+    kernels.sparse_attention_fwd_triton(inp[0], inp[1], inp[2], inp[3], None, M3_SHAPE["block_size"], 1.0 / math.sqrt(M3_SHAPE["D"]), out=o, lse_out=lse)
+    dq = torch.empty_like(inp[0])
+    for name in kernels.BWD_CONFIGS:
+        try:
+            ms = _time_quick(_bwd_call(kernels, inp, o, lse, name, grads=(dq,)), reps)
+            res["bwd"][name] = (round(ms, 2), round(2.5 * flops / ms / 1e9, 1))
+        except Exception as ex:
+            res["bwd"][name] = f"{type(ex).__name__}: {ex}"[:300]
+        if verbose:
+            print("bwd", name, res["bwd"][name], flush=True)
+    ok = {n: v[0] for n, v in res["bwd"].items() if isinstance(v, tuple)}
+    if ok:
+        kernels.BWD_DEFAULT = min(ok, key=ok.get)
+    res["best"] = (kernels.FWD_DEFAULT, kernels.BWD_DEFAULT)
+    return res
+
+
+def profile_forward(T: int = 131072, config=None, inp=None, reps: int = 2, verbose: bool = True) -> dict:
+    """Forward time (ms) at the M3 shape under each FWD_ABLATIONS entry (config: FWD_DEFAULT).
+    Reading: base - no_merge = merge; no_merge - compute_only = what Q gathers + partial stores
+    cost; fixed_q / no_partial_store / fixed_store split that between gather latency, store
+    instructions and scattered (TLB / L2-miss) stores."""
+    from . import triton as kernels
+
+    cfg = config or kernels.FWD_DEFAULT
+    inp = inp if inp is not None else _m3_inputs(T)
+    o = torch.empty_like(inp[0])
+    lse = torch.empty((1, M3_SHAPE["Hq"], T), device=o.device, dtype=torch.float32)
+    res = {"config": cfg}
+    for name, a in FWD_ABLATIONS.items():
+        try:
+            res[name] = round(_time_quick(_fwd_call(kernels, inp, cfg, a, out=(o, lse)), reps), 2)
+        except Exception as ex:
+            res[name] = f"{type(ex).__name__}: {ex}"[:300]
+        if verbose:
+            print("profile fwd", cfg, name, res[name], flush=True)
+    return res
+
+
+def profile_backward(T: int = 131072, config=None, inp=None, reps: int = 2, verbose: bool = True) -> dict:
+    """Backward time (ms, the kernels alone) at the M3 shape under each BWD_ABLATIONS entry."""
+    from . import triton as kernels
+
+    cfg = config or kernels.BWD_DEFAULT
+    inp = inp if inp is not None else _m3_inputs(T)
+    o, lse = kernels.sparse_attention_fwd_triton(inp[0], inp[1], inp[2], inp[3], None, M3_SHAPE["block_size"], 1.0 / math.sqrt(M3_SHAPE["D"]))
+    dq = torch.empty_like(inp[0])
+    res = {"config": cfg}
+    for name, a in BWD_ABLATIONS.items():
+        try:
+            res[name] = round(_time_quick(_bwd_call(kernels, inp, o, lse, cfg, a, grads=(dq,)), reps), 2)
+        except Exception as ex:
+            res[name] = f"{type(ex).__name__}: {ex}"[:300]
+        if verbose:
+            print("profile bwd", cfg, name, res[name], flush=True)
+    return res
+
+
+def gpu_run(T: int = 131072, check_T: int = 16384, device="cuda") -> dict:
+    """The lead's one GPU call: config sweep + forward / backward ablation profiles at T (one
+    set of inputs, ~30-40 s including compiles), then check_and_bench at check_T with the
+    chosen configs (correctness of forward and backward + timings)."""
+    import json
+
+    t0 = time.perf_counter()
+    inp = _m3_inputs(T, device)
+    out = {"sweep": sweep_configs(T, inp)}
+    out["profile_fwd"] = profile_forward(T, inp=inp)
+    out["profile_bwd"] = profile_backward(T, inp=inp)
+    out["sweep_profile_s"] = round(time.perf_counter() - t0, 1)
+    del inp
+    torch.cuda.empty_cache()
+    out["check"] = check_and_bench((check_T,), device, sweep=False, full_check_T=check_T, bwd_check_T=check_T, verbose=False)
+    print(json.dumps(out, default=str), flush=True)
+    return out

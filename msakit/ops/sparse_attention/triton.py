@@ -61,7 +61,15 @@ Backward (dq, dk, dv), over the same kind of items (longer: 256 queries):
 
 Inputs: fp16/bf16 on the GPU (fp32 too under the interpreter), block_size and head dim <= 128
 (`kernel_supports`).  Kernel configs: FWD_CONFIGS / BWD_CONFIGS (compiled for sm_90 with the
-bundled ptxas: none spills at M3's shape); `bench.check_and_bench(sweep=True)` times them.
+bundled ptxas: none spills at M3's shape); `bench.check_and_bench(sweep=True)` times them,
+`bench.gpu_run()` sweeps them quickly and profiles ablations (`ablate=` of both launchers:
+no partial stores, no Q gather, no merge / reduce...; timing only).
+Measured (H200, 128K, M3): forward 86 ms = 102 TFLOP/s, ~10K cycles per 64-row sub-tile
+against ~1.1K of MMA; the backward's per-row time is only 1.44x the forward's for 2.5x the
+FLOPs (1.5x the bytes), so both loops wait on memory, not math.  The forward's loop had a
+generic->async proxy fence per sub-tile (Q written to shared memory for wgmma), which ptxas
+emits as MEMBAR.ALL.CTA: it waits for the previous sub-tile's partial stores to drain.
+QREG (default config) feeds Q to wgmma from registers: no fence in the loop.
 """
 
 from __future__ import annotations
@@ -105,25 +113,33 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     prefetch: bool = True
+    qreg: bool = False  # forward: Q fed to wgmma from registers (no per-sub-tile proxy fence)
+    chunk_bytes: int = 0  # partial-buffer budget per query chunk (0: CHUNK_BYTES / BWD_CHUNK_BYTES)
 
 
 # Chosen by compiling for sm_90 (ptxas: no spills in any of these; registers / shared memory
-# noted) - not yet timed on the GPU: `bench.check_and_bench(sweep=True)` times them all.
-# "p" = hand-pipelined (next sub-tile's Q prefetched into registers, num_stages=1).
+# noted).  "p" = hand-pipelined (next sub-tile's Q prefetched into registers, num_stages=1);
+# "q" = QREG.  Measured on the H200 at 128K (M3 shape, before QREG): m64w4p 86 ms, m128w8p
+# 99.5, m64w8p 110, m128w8s3 104, m64w4s3 93 (forward); m32w8p 124 ms, m16w8p 145, m32w8s3
+# 149, m16w8s2 187 (backward).  m64w4p's loop had a generic->async proxy fence per sub-tile
+# (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, before the QK^T wgmma read Q from shared memory),
+# which waits for the previous sub-tile's partial-output stores; QREG removes it (1 fence,
+# outside the loop) and 24 registers.  Item length and chunk budget are not constexprs: the
+# variants that differ only in those share one compiled kernel.
+# (m128w8pq = KernelConfig(128, 64, 8, 1, True, True): 236 regs, 96 KB, 1 CTA/SM; left out
+# of the sweep to save a compile: m128w8p was 15% slower than m64w4p.)
 FWD_CONFIGS = {
-    "m64w4p": KernelConfig(64, 64, 4, 1, True),  # 255 regs, 82 KB smem: 2 CTAs/SM
-    "m128w8p": KernelConfig(128, 64, 8, 1, True),  # 234 regs, 98 KB: 1 CTA/SM
-    "m64w8p": KernelConfig(64, 64, 8, 1, True),  # 196 regs, 82 KB: 1 CTA/SM
-    "m128w8s3": KernelConfig(128, 64, 8, 3, False),  # Triton's pipeliner: 247 regs, 165 KB
-    "m64w4s3": KernelConfig(64, 64, 4, 3, False),  # 215 regs, 107 KB: 2 CTAs/SM
+    "m64w4pq": KernelConfig(64, 64, 4, 1, True, True),  # 231 regs, 80 KB smem: 2 CTAs/SM
+    "m64w4pq128": KernelConfig(64, 128, 4, 1, True, True),  # longer items: half the K/V loads
+    "m64w4pq1g": KernelConfig(64, 64, 4, 1, True, True, 1 << 30),  # 1 GiB chunks (~3.9K rows)
+    "m64w4p": KernelConfig(64, 64, 4, 1, True),  # the measured baseline: 255 regs, 80 KB
 }
 BWD_CONFIGS = {
-    "m32w8p": KernelConfig(32, 256, 8, 1, True),  # 254 regs, 115 KB
-    "m16w8p": KernelConfig(16, 256, 8, 1, True),  # 228 regs, 106 KB
-    "m32w8s3": KernelConfig(32, 256, 8, 3, False),  # 228 regs, 140 KB
-    "m16w8s2": KernelConfig(16, 256, 8, 2, False),  # 234 regs, 119 KB
+    "m32w8p": KernelConfig(32, 256, 8, 1, True),  # 254 regs, 112 KB: 1 CTA/SM
+    "m32w8p512": KernelConfig(32, 512, 8, 1, True),  # longer items: half the K/V loads + atomics
+    "m32w8p2g": KernelConfig(32, 256, 8, 1, True, False, 2 << 30),  # 2 GiB chunks (~7.8K rows)
 }
-FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4p")
+FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4pq")
 BWD_DEFAULT = os.environ.get("MSAKIT_SA_BWD_CONFIG", "m32w8p")
 # Under the interpreter: small tiles and short items so that tests exercise the sub-tile loop,
 # several items per key and the atomics.
@@ -248,12 +264,20 @@ def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 def _sa_fwd_kernel(
     Q, K, V, OP, LP,
     ENT_Q, ENT_S, IT_KEY, IT_START, IT_COUNT,
-    N, n0, qk_scale,
+    N, n0, qk_scale, C_ROWS,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    QREG: tl.constexpr = False, ABL: tl.constexpr = 0,
 ):
+    # QREG: Q reaches the QK^T MMA from registers (wgmma's A operand) instead of a shared-memory
+    # copy: no per-sub-tile generic->async proxy fence (MEMBAR.ALL.CTA, which waits for the
+    # previous sub-tile's partial-output stores to drain).  ABL (GPU ablations for
+    # bench.profile_forward, default 0): 1 = no partial o / lse stores (predicated off at run
+    # time, the math stays), 2 = FIXED_Q (every sub-tile reads the Q rows of the item's first
+    # entry: no gather), 4 = FIXED_STORE (every sub-tile of a program stores to one row of OP
+    # picked by the program: no scattered stores); the results are wrong under any ABL != 0.
     pid = tl.program_id(0)
     count = tl.load(IT_COUNT + pid)
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
@@ -278,13 +302,18 @@ def _sa_fwd_kernel(
     r_q = offs_m // HPG
     head = g * HPG + offs_m % HPG
     m_ok = offs_m < Q_TILE * HPG
+    if (ABL & 2) != 0:
+        n_fix = tl.load(ENT_Q + start + r_q * 0).to(tl.int64)
     if PREFETCH:
         # software pipeline by hand: the Q rows of sub-tile i+1 and the entries of sub-tile i+2
         # are in flight while sub-tile i computes (an indirect load defeats Triton's pipeliner)
         ok0 = m_ok & (r_q < count)
         n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
         n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
-        q_cur = tl.load(Q + ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
+        if (ABL & 2) != 0:
+            q_cur = tl.load(Q + ((n_fix * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
+        else:
+            q_cur = tl.load(Q + ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
     for sub in range(0, count, Q_TILE):
         qi = sub + r_q
         row_ok = m_ok & (qi < count)
@@ -294,12 +323,22 @@ def _sa_fwd_kernel(
             n = n_cur
             qb = q_cur
             ok1 = m_ok & (qi + Q_TILE < count)
-            q_cur = tl.load(Q + ((n_nxt * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
+            if (ABL & 2) != 0:
+                q_cur = tl.load(Q + ((n_fix * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
+            else:
+                q_cur = tl.load(Q + ((n_nxt * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
             n_cur = n_nxt
             n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
         else:
             n = tl.load(ENT_Q + e, mask=row_ok, other=0).to(tl.int64)
-            qb = tl.load(Q + ((n * HQ + head) * D)[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
+            if (ABL & 2) != 0:
+                qb = tl.load(Q + ((n_fix * HQ + head) * D)[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
+            else:
+                qb = tl.load(Q + ((n * HQ + head) * D)[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
+        if QREG:
+            # a no-op select (the load's mask already zeroed these rows) so that the MMA's A
+            # operand is not a load: Triton then feeds wgmma from registers
+            qb = tl.where(row_mask, qb, tl.zeros_like(qb))
         slot = tl.load(ENT_S + e, mask=row_ok, other=0).to(tl.int64)
         s = _mm(qb, tl.trans(kb), PREC, UPCAST) * qk_scale
         # key token tok0 + c is visible to row (n, h) iff c <= n - tok0 (causal; also keeps the
@@ -317,8 +356,13 @@ def _sa_fwd_kernel(
         ob = acc / l_safe[:, None]
         lse = (m + tl.log2(l_safe)) * 0.6931471805599453
         prow = ((n - n0) * KS + slot) * HQ + head
-        tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=row_mask)
-        tl.store(LP + prow, lse, mask=row_ok)
+        st_ok = row_ok
+        if (ABL & 1) != 0:
+            st_ok = row_ok & (count < 0)  # never true, unknown to the compiler
+        if (ABL & 4) != 0:
+            prow = (pid % C_ROWS).to(tl.int64) * (KS * HQ) + offs_m
+        tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :])
+        tl.store(LP + prow, lse, mask=st_ok)
 
 
 @triton.jit
@@ -407,7 +451,13 @@ def _sa_bwd_kernel(
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    ABL: tl.constexpr = 0,
 ):
+    # ABL (GPU ablations for bench.profile_backward; results are wrong when != 0): 1 = no dQ
+    # partial stores, 2 = FIXED_Q (Q, dO, lse, delta of the item's first entry for every
+    # sub-tile: no gather), 4 = no dK/dV atomics.  (Deferring each dQ store by one sub-tile
+    # does not take it past a proxy fence: this loop has four, one per MMA with an operand
+    # written to shared memory in the loop, so that was dropped.)
     pid = tl.program_id(0)
     count = tl.load(IT_COUNT + pid)
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
@@ -434,15 +484,21 @@ def _sa_bwd_kernel(
     r_q = offs_m // HPG
     head = g * HPG + offs_m % HPG
     m_ok = offs_m < Q_TILE * HPG
+    if (ABL & 2) != 0:
+        n_fix = tl.load(ENT_Q + start + r_q * 0).to(tl.int64)
     if PREFETCH:
         ok0 = m_ok & (r_q < count)
         n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
         n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
-        r0 = ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :]
+        if (ABL & 2) != 0:
+            n_ld = n_fix
+        else:
+            n_ld = n_cur
+        r0 = ((n_ld * HQ + head) * D)[:, None] + offs_d[None, :]
         q_cur = tl.load(Q + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
         do_cur = tl.load(DO + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
-        lse2_cur = tl.load(LSE2 + n_cur * HQ + head, mask=ok0, other=0.0)
-        dl_cur = tl.load(DELTA + n_cur * HQ + head, mask=ok0, other=0.0)
+        lse2_cur = tl.load(LSE2 + n_ld * HQ + head, mask=ok0, other=0.0)
+        dl_cur = tl.load(DELTA + n_ld * HQ + head, mask=ok0, other=0.0)
     for sub in range(0, count, Q_TILE):
         qi = sub + r_q
         row_ok = m_ok & (qi < count)
@@ -455,20 +511,28 @@ def _sa_bwd_kernel(
             lse2 = lse2_cur
             dl = dl_cur
             ok1 = m_ok & (qi + Q_TILE < count)
-            r1 = ((n_nxt * HQ + head) * D)[:, None] + offs_d[None, :]
+            if (ABL & 2) != 0:
+                n_ld = n_fix
+            else:
+                n_ld = n_nxt
+            r1 = ((n_ld * HQ + head) * D)[:, None] + offs_d[None, :]
             q_cur = tl.load(Q + r1, mask=ok1[:, None] & d_ok[None, :], other=0.0)
             do_cur = tl.load(DO + r1, mask=ok1[:, None] & d_ok[None, :], other=0.0)
-            lse2_cur = tl.load(LSE2 + n_nxt * HQ + head, mask=ok1, other=0.0)
-            dl_cur = tl.load(DELTA + n_nxt * HQ + head, mask=ok1, other=0.0)
+            lse2_cur = tl.load(LSE2 + n_ld * HQ + head, mask=ok1, other=0.0)
+            dl_cur = tl.load(DELTA + n_ld * HQ + head, mask=ok1, other=0.0)
             n_cur = n_nxt
             n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
         else:
             n = tl.load(ENT_Q + e, mask=row_ok, other=0).to(tl.int64)
-            qrow = ((n * HQ + head) * D)[:, None] + offs_d[None, :]
+            if (ABL & 2) != 0:
+                n_ld = n_fix
+            else:
+                n_ld = n
+            qrow = ((n_ld * HQ + head) * D)[:, None] + offs_d[None, :]
             qb = tl.load(Q + qrow, mask=row_mask, other=0.0)
             dob = tl.load(DO + qrow, mask=row_mask, other=0.0)
-            lse2 = tl.load(LSE2 + n * HQ + head, mask=row_ok, other=0.0)
-            dl = tl.load(DELTA + n * HQ + head, mask=row_ok, other=0.0)
+            lse2 = tl.load(LSE2 + n_ld * HQ + head, mask=row_ok, other=0.0)
+            dl = tl.load(DELTA + n_ld * HQ + head, mask=row_ok, other=0.0)
         slot = tl.load(ENT_S + e, mask=row_ok, other=0).to(tl.int64)
         sT = _mm(kb, tl.trans(qb), PREC, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
         rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
@@ -481,10 +545,16 @@ def _sa_bwd_kernel(
         dk += _mm(dsT, qb, PREC, UPCAST)
         dqb = _mm(tl.trans(dsT), kb, PREC, UPCAST) * sm_scale  # [BLOCK_M, BLOCK_D]
         prow = ((n - n0) * KS + slot) * HQ + head
-        tl.store(DQP + prow[:, None] * D + offs_d[None, :], dqb.to(DQP.dtype.element_ty), mask=row_mask)
+        st_ok = row_ok
+        if (ABL & 1) != 0:
+            st_ok = row_ok & (count < 0)  # never true, unknown to the compiler
+        tl.store(DQP + prow[:, None] * D + offs_d[None, :], dqb.to(DQP.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :])
     dst = kv_row[:, None] + offs_d[None, :]
-    tl.atomic_add(DKA + dst, dk * sm_scale, mask=kv_mask, sem="relaxed")
-    tl.atomic_add(DVA + dst, dv, mask=kv_mask, sem="relaxed")
+    at_ok = kv_mask
+    if (ABL & 4) != 0:
+        at_ok = kv_mask & (count < 0)
+    tl.atomic_add(DKA + dst, dk * sm_scale, mask=at_ok, sem="relaxed")
+    tl.atomic_add(DVA + dst, dv, mask=at_ok, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -586,12 +656,15 @@ def sparse_attention_fwd_triton(
     config: KernelConfig | str | None = None,
     chunk_rows: int | None = None,
     poison: bool = False,
+    ablate: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o [B, T, Hq, D] (q.dtype), lse [B, Hq, T] fp32.  Inputs are assumed checked by the caller.
 
     out / lse_out: preallocated outputs (every element is written); config: a KernelConfig or
     a key of FWD_CONFIGS; chunk_rows: query rows per chunk (default: CHUNK_BYTES of partials);
     poison: fill the internal partial buffers with NaN (tests that unwritten slots are masked).
+    ablate: GPU profiling only (results are WRONG when != 0): bits 1, 2, 4 = the main kernel's
+    ABL (no partial stores / fixed Q rows / fixed store rows), 8 = NO_MERGE (skip the merge).
     """
     geo = _geom(q, k, block_idx, block_size, cu_seqlens)
     cfg = _pick(config, FWD_CONFIGS, FWD_DEFAULT, INTERPRET_FWD)
@@ -601,7 +674,7 @@ def sparse_attention_fwd_triton(
     lse = lse_out if lse_out is not None else torch.empty((geo.B, geo.Hq, geo.T), dtype=torch.float32, device=q.device)
     assert o.is_contiguous() and lse.is_contiguous()
     pdt = q.dtype
-    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, CHUNK_BYTES)
+    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, cfg.chunk_bytes or CHUNK_BYTES)
     fill = float("nan") if poison else None
     shape_p = (C, geo.KS, geo.Hq, geo.D)
     OP = torch.full(shape_p, fill, dtype=pdt, device=q.device) if poison else torch.empty(shape_p, dtype=pdt, device=q.device)
@@ -618,11 +691,14 @@ def sparse_attention_fwd_triton(
             _sa_fwd_kernel[(it.max_items,)](
                 qf, kf, vf, OP, LP,
                 it.ent_q, it.ent_s, it.it_key, it.it_start, it.it_count,
-                geo.N, n0, qk_scale,
+                geo.N, n0, qk_scale, c,
                 HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
+                QREG=cfg.qreg, ABL=ablate & 7,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
+            if ablate & 8:
+                continue
             _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
                 OP, LP, it.nvalid, o, lse,
                 n0, c, geo.T,
@@ -651,8 +727,13 @@ def sparse_attention_bwd_triton(
     config: KernelConfig | str | None = None,
     chunk_rows: int | None = None,
     poison: bool = False,
+    ablate: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of `sparse_attention_fwd_triton`'s outputs given do (and dlse, or None)."""
+    """(dq, dk, dv) of `sparse_attention_fwd_triton`'s outputs given do (and dlse, or None).
+
+    ablate: GPU profiling only (results are WRONG when != 0): bits 1, 2, 4 = the main kernel's
+    ABL (no dQ partial stores / fixed Q rows / no dK, dV atomics), 8 = skip the dQ reduce.
+    """
     geo = _geom(q, k, block_idx, block_size, cu_seqlens)
     cfg = _pick(config, BWD_CONFIGS, BWD_DEFAULT, INTERPRET_BWD)
     q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
@@ -667,7 +748,7 @@ def sparse_attention_bwd_triton(
     dka = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
     dva = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
     pdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    C = _chunk_rows(geo, pdt.itemsize, 0, chunk_rows, BWD_CHUNK_BYTES)
+    C = _chunk_rows(geo, pdt.itemsize, 0, chunk_rows, cfg.chunk_bytes or BWD_CHUNK_BYTES)
     shape_p = (C, geo.KS, geo.Hq, geo.D)
     DQP = torch.full(shape_p, float("nan"), dtype=pdt, device=dev) if poison else torch.empty(shape_p, dtype=pdt, device=dev)
     sel = _selection_rows(block_idx, geo)
@@ -691,8 +772,11 @@ def sparse_attention_bwd_triton(
                 geo.N, n0, float(scale) * 1.4426950408889634, float(scale),
                 HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
+                ABL=ablate & 7,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
+            if ablate & 8:
+                continue
             _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
                 DQP, DQP, it.nvalid, dq, dq,
                 n0, c, geo.T,

@@ -1,0 +1,1 @@
+"""CLI sub-commands that live outside the module owning their work (each: `add_parser(subparsers)`)."""

@@ -1,0 +1,33 @@
+"""`msakit convert`: add MSA index branches to a dense model and train them (dense warm-up, then sparse)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from msakit.train.run import add_data_args, add_optim_args
+
+    p = subparsers.add_parser(
+        "convert", help="convert a dense model (msakit checkpoint, HF Llama/Qwen2 folder) to MSA and train the indexer",
+        description="Add index branches to every dense-attention layer (msakit.models.convert), warm the indexer "
+                    "up by KL while the main branch stays dense (--warmup-steps), then continue training in "
+                    "sparse mode.  SOURCE: an msakit run / checkpoint folder or an HF model folder "
+                    "(config.json + safetensors + tokenizer.json).")
+    p.add_argument("source", metavar="SOURCE", help="dense model: msakit run/checkpoint folder or HF model folder")
+    p.add_argument("--out", default="runs/convert", metavar="DIR", help="run folder (default runs/convert)")
+    m = p.add_argument_group("index branch")
+    m.add_argument("--block-size", type=int, default=None, metavar="N", help="MSA block size (default: model's / 128)")
+    m.add_argument("--topk", type=int, default=None, metavar="K", help="blocks per query (default: model's / 16)")
+    m.add_argument("--index-dim", type=int, default=None, metavar="N", help="index head dim (default: model's)")
+    add_data_args(p, vocab=False)
+    add_optim_args(p, lr=1e-3, dense_warmup_steps=100, steps=300, eval_every=50, save_every=100)
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    from msakit.train.run import run_convert
+
+    return run_convert(args)

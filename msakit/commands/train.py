@@ -1,0 +1,35 @@
+"""`msakit train`: train an M3 model (MSA + MoE) on the standard-library corpus and/or your files."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from msakit.train.run import add_data_args, add_optim_args
+
+    p = subparsers.add_parser(
+        "train", help="train an M3 model (full-attention warm-up, then sparse attention)",
+        description="Train an M3-style model: AdamW with warm-up + cosine, LM loss + lambda * indexer KL, "
+                    "full attention for --warmup-steps (the indexer learns meanwhile), then MSA sparse attention. "
+                    "Logs metrics.jsonl and plots; writes atomic, hashed checkpoints under OUT/checkpoints.")
+    p.add_argument("--out", default="runs/train", metavar="DIR", help="run folder (default runs/train)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
+                   help="continue the run in --out (or from CKPT) with the same data order and settings")
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", default="tiny", help="tiny (CPU), small (one GPU), minimax-m3, minimax-m3.1-flash")
+    m.add_argument("--config", metavar="PATH", help="an M3 config.json (or its folder) instead of a preset")
+    m.add_argument("--attention", choices=("msa", "dense"), default="msa",
+                   help="dense: a plain GQA model without index branches (a source for `msakit convert`)")
+    m.add_argument("--init", metavar="PATH", help="start from these weights (a checkpoint or model folder)")
+    add_data_args(p)
+    add_optim_args(p)
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    from msakit.train.run import run_train
+
+    return run_train(args)

@@ -1,0 +1,492 @@
+"""`speculative_generate`: DSpark drafting + lossless verification with a rolled-back KV cache.
+
+One round per row (state: the target's KV cache holds positions 0 .. L-1, the anchor token at
+position L is emitted but not yet run through the target, the drafter's context holds the
+target's tap states of positions 0 .. L-1):
+
+1. draft: the drafter runs the block [anchor, mask x (gamma - 1)] at positions L .. L+gamma-1
+   against its cached context keys / values (sliding window up to the anchor) and draws g drafts
+   left to right through the Markov head (`DSparkDrafter.propose`);
+2. verify: one target forward over [anchor, x_1 .. x_g] at positions L .. L+g, writing their keys
+   into the cache, gives p_1 .. p_(g+1); `verify` accepts n drafts and draws one extra token;
+3. roll back: the row's cache length becomes L + n + 1 (anchor + accepted drafts); the keys of
+   the rejected positions stay in the buffer but are masked and overwritten next round; the tap
+   states of the g + 1 verified positions are projected into the drafter's context cache the same
+   way (only the first n + 1 count).  The extra token is the next anchor.
+
+Rows advance by different amounts, so every cache has a per-row length and attention masks by
+position (keys j <= the query's position, j < the row's length); the target's layers are run
+through their own modules (`project`, `o_proj`, MLP / MoE), with MSA layers in sparse mode
+selecting blocks exactly as `msakit.ops.index_topk`'s reference does, per row.
+
+Sampling: temperature / top-k / top-p go through `sampling_probs` for the target and the
+drafter alike, so each q is the exact distribution its draft was drawn from.  The drafter and the
+verifier draw from two separate generators derived from `generator` (same seed -> same output).
+Temperature 0 is greedy on both sides and reproduces plain greedy decoding token for token.
+
+Confidence budget (optional, `confidence_budget=True`): per round, `verify.confidence_budget`
+picks how many drafts of each row to verify from the confidence head (DSpark's scheduler, break
+at the first drop of expected tokens per unit of verify cost); the choice never looks at the
+drafts it cuts, so the output distribution stays exact.  The target forward then covers only the
+longest chosen prefix + 1 (one extra host sync per round).
+
+Host syncs: one per round (the accepted counts and tokens, for termination and the output), plus
+one with the confidence budget.  Nothing per token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from msakit.spec.drafter import DSparkDrafter
+from msakit.spec.verify import check_sampling, confidence_budget as schedule_budget, sample_probs, sampling_probs, verify
+
+__all__ = ["speculative_generate", "autoregressive_generate", "SpecStats", "SpecCache", "target_forward",
+           "draft_context_update", "draft_hidden"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches with per-row lengths
+# ---------------------------------------------------------------------------------------------
+
+
+class SpecCache:
+    """Contiguous per-row-length caches: the target's K, V [B, max_len, G, D] (and index keys
+    [B, max_len, Di] of MSA layers) per layer, and the drafter's context K, V per draft layer.
+
+    `lengths` (int64 [B], on the device) and `host_lengths` (list) hold how many positions of each
+    row are valid; positions at or beyond a row's length hold stale keys that masks ignore.
+    Rolling back is setting a smaller length (`rollback`)."""
+
+    def __init__(self, num_target_layers: int, num_draft_layers: int, batch: int, max_len: int,
+                 device: torch.device) -> None:
+        self.max_len = max_len
+        self.batch = batch
+        self.device = device
+        self.k: list[torch.Tensor | None] = [None] * num_target_layers
+        self.v: list[torch.Tensor | None] = [None] * num_target_layers
+        self.k_idx: list[torch.Tensor | None] = [None] * num_target_layers
+        self.dk: list[torch.Tensor | None] = [None] * num_draft_layers
+        self.dv: list[torch.Tensor | None] = [None] * num_draft_layers
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.host_lengths = [0] * batch
+        self.written = [0] * batch  # per row: positions written by the last forward (valid or pending)
+
+    @staticmethod
+    def _write(buf: torch.Tensor | None, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, max_len: int):
+        if buf is None:
+            buf = x.new_zeros((x.shape[0], max_len) + tuple(x.shape[2:]))  # zeros: masked slots stay finite
+        buf[rows, pos] = x.to(buf.dtype)
+        return buf
+
+    def write_target(self, layer: int, k, v, k_idx, rows, pos) -> None:
+        self.k[layer] = self._write(self.k[layer], k, rows, pos, self.max_len)
+        self.v[layer] = self._write(self.v[layer], v, rows, pos, self.max_len)
+        if k_idx is not None:
+            self.k_idx[layer] = self._write(self.k_idx[layer], k_idx, rows, pos, self.max_len)
+
+    def write_draft(self, layer: int, k, v, rows, pos) -> None:
+        self.dk[layer] = self._write(self.dk[layer], k, rows, pos, self.max_len)
+        self.dv[layer] = self._write(self.dv[layer], v, rows, pos, self.max_len)
+
+    def set_lengths(self, lengths: torch.Tensor, host: Sequence[int]) -> None:
+        self.lengths = lengths
+        self.host_lengths = [int(x) for x in host]
+        self.written = [max(w, h) for w, h in zip(self.written, self.host_lengths)]
+
+    def rollback(self, lengths: Sequence[int]) -> None:
+        """Keep the first lengths[b] positions of each row: those before the last forward's and
+        as many of its new ones as were accepted; the rest are dropped (no data moves)."""
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != self.batch or any(n < 0 or n > w for n, w in zip(lengths, self.written)):
+            raise ValueError(f"rollback lengths {lengths} must lie in [0, written {self.written}] per row")
+        self.set_lengths(torch.as_tensor(lengths, dtype=torch.long, device=self.device), lengths)
+        self.written = list(lengths)
+
+
+def _positions_check(cache: SpecCache, width: int) -> None:
+    if max(cache.host_lengths) + width > cache.max_len:
+        raise ValueError(f"speculative cache overflow: {max(cache.host_lengths) + width} > {cache.max_len}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Target forward over new tokens at per-row offsets
+# ---------------------------------------------------------------------------------------------
+
+
+def _select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, pos: torch.Tensor, causal: torch.Tensor, sel) -> torch.Tensor:
+    """`index_topk_reference` for queries at per-row positions pos [B, Tq] over keys [B, Lk]:
+    -> bool [B, G, Tq, Lk], True on the tokens j <= pos of the selected blocks."""
+    B, Tq, G, _ = q_idx.shape
+    Lk = k_idx.shape[1]
+    bs = sel.block_size
+    cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+    s = torch.einsum("bigd,bjd->bgij", q_idx.to(cdt), k_idx.to(cdt))
+    s = s.masked_fill(~causal.unsqueeze(1), float("-inf"))
+    nb = (Lk + bs - 1) // bs
+    if nb * bs > Lk:
+        s = F.pad(s, (0, nb * bs - Lk), value=float("-inf"))
+    M = s.view(B, G, Tq, nb, bs).amax(dim=-1)  # [B, G, Tq, nb]
+    own = (pos // bs).view(B, 1, Tq, 1)
+    blocks = torch.arange(nb, device=q_idx.device).view(1, 1, 1, nb)
+    forced = ((blocks <= own) & (blocks > own - sel.local_blocks)) | ((blocks < sel.init_blocks) & (blocks <= own))
+    M = M.masked_fill(forced, float("inf")).masked_fill(blocks > own, float("-inf"))
+    kk = min(sel.topk, nb)
+    top = M.topk(kk, dim=-1)
+    ids = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, nb))
+    chosen = torch.zeros(B, G, Tq, nb + 1, dtype=torch.bool, device=q_idx.device).scatter_(-1, ids, True)[..., :nb]
+    tok = chosen.repeat_interleave(bs, dim=-1)[..., :Lk]
+    return tok & causal.unsqueeze(1)
+
+
+def _ffn(layer, h: torch.Tensor) -> torch.Tensor:
+    x = layer.post_attention_layernorm(h)
+    if layer.is_moe:
+        return h + layer.block_sparse_moe(x)[0]
+    return h + layer.mlp(x)
+
+
+@torch.no_grad()
+def target_forward(
+    target,
+    cache: SpecCache,
+    tokens: torch.Tensor,
+    taps: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run tokens [B, Tq] at positions cache.lengths[b] + i, writing their keys into `cache`
+    (lengths unchanged: the caller decides how many stay).  Returns the logits [B, Tq, V] and
+    the concatenated residual stream after the `taps` layers [B, Tq, len(taps) * H] (or None)."""
+    B, Tq = tokens.shape
+    _positions_check(cache, Tq)
+    dev = tokens.device
+    pos = cache.lengths.view(B, 1) + torch.arange(Tq, device=dev).view(1, Tq)
+    rows = torch.arange(B, device=dev).view(B, 1).expand(B, Tq)
+    Lk = max(cache.host_lengths) + Tq
+    causal = torch.arange(Lk, device=dev).view(1, 1, Lk) <= pos.unsqueeze(-1)  # [B, Tq, Lk]
+    dense_mask = causal.unsqueeze(1)
+    h = target.model.embed_tokens(tokens)
+    want = set(taps)
+    got: dict[int, torch.Tensor] = {}
+    for li, layer in enumerate(target.model.layers):
+        attn = layer.self_attn
+        c = attn.cfg
+        q, k, v, q_idx, k_idx = attn.project(layer.input_layernorm(h), pos)
+        cache.write_target(li, k, v, k_idx, rows, pos)
+        K, V = cache.k[li][:, :Lk], cache.v[li][:, :Lk]
+        rep = c.num_heads // c.num_kv_heads
+        if attn.index_branch and attn.mode == "sparse":
+            mask = _select_blocks(q_idx, cache.k_idx[li][:, :Lk], pos, causal, c).repeat_interleave(rep, dim=1)
+        else:
+            mask = dense_mask
+        qh = q.transpose(1, 2)
+        kh = K.transpose(1, 2).repeat_interleave(rep, dim=1).to(qh.dtype)
+        vh = V.transpose(1, 2).repeat_interleave(rep, dim=1).to(qh.dtype)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim))
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(B, Tq, -1))
+        h = _ffn(layer, h)
+        if li in want:
+            got[li] = h
+    cache.written = [h_ + Tq for h_ in cache.host_lengths]
+    logits = target.lm_head(target.model.norm(h))
+    tap = torch.cat([got[t] for t in taps], dim=-1) if taps else None
+    return logits, tap
+
+
+@torch.no_grad()
+def draft_context_update(drafter: DSparkDrafter, cache: SpecCache, taps: torch.Tensor) -> None:
+    """Project the tap states of positions cache.lengths[b] + i (taps [B, T, n * H]) into every
+    draft layer's context keys / values."""
+    B, T, _ = taps.shape
+    dev = taps.device
+    pos = cache.lengths.view(B, 1) + torch.arange(T, device=dev).view(1, T)
+    rows = torch.arange(B, device=dev).view(B, 1).expand(B, T)
+    ctx = drafter.context(taps)
+    for li, (k, v) in enumerate(drafter.context_kv(ctx, pos)):
+        cache.write_draft(li, k, v, rows, pos)
+
+
+@torch.no_grad()
+def draft_hidden(drafter: DSparkDrafter, cache: SpecCache, anchor: torch.Tensor) -> torch.Tensor:
+    """The block [anchor, mask...] at positions cache.lengths[b] + j over the cached context
+    (keys L - W < j < L) -> final-normed hidden states [B, gamma, H]."""
+    g = drafter.config.block_size
+    B = anchor.shape[0]
+    dev = anchor.device
+    Lc = max(1, max(cache.host_lengths))
+    L = cache.lengths.view(B, 1)
+    j = torch.arange(Lc, device=dev).view(1, Lc)
+    ctx_ok = (j < L) & (j > L - drafter.config.sliding_window)  # [B, Lc]
+    mask = torch.cat([ctx_ok.unsqueeze(1).expand(B, g, Lc), torch.ones(B, g, g, dtype=torch.bool, device=dev)], dim=-1)
+    kv = [(cache.dk[i][:, :Lc], cache.dv[i][:, :Lc]) for i in range(len(drafter.layers))]
+    pos = L + torch.arange(g, device=dev).view(1, g)
+    return drafter.run_blocks(drafter.block_ids(anchor), pos, kv, mask.unsqueeze(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_target(target) -> None:
+    ok = all(hasattr(target, a) for a in ("config", "model", "lm_head")) and all(
+        hasattr(target.model, a) for a in ("embed_tokens", "layers", "norm"))
+    if not ok:
+        raise ValueError(f"the target must be an M3ForCausalLM (msakit.models), got {type(target).__name__}")
+
+
+PREFILL_CHUNK = 1024
+
+
+@dataclass
+class SpecStats:
+    """Per-run statistics.  `accepted_length` = mean tokens per verify step and row (accepted
+    drafts + the extra token), the paper's "accepted length"."""
+
+    rounds: int = 0
+    row_rounds: int = 0  # (row, round) pairs that produced tokens
+    tokens: int = 0  # tokens produced by rounds (the prefill's first token excluded)
+    accepted_drafts: int = 0
+    verified_drafts: int = 0  # drafts sent to the target (< rounds * g with the budget)
+    position_accepts: list[int] = field(default_factory=list)  # per draft position: times accepted
+    position_tries: list[int] = field(default_factory=list)  # times it was verified
+    seconds: float = 0.0
+
+    @property
+    def accepted_length(self) -> float:
+        return self.tokens / self.row_rounds if self.row_rounds else float("nan")
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        return [a / t if t else float("nan") for a, t in zip(self.position_accepts, self.position_tries)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "row_rounds": self.row_rounds, "tokens": self.tokens,
+                "accepted_drafts": self.accepted_drafts, "verified_drafts": self.verified_drafts,
+                "accepted_length": self.accepted_length, "position_acceptance": self.position_acceptance,
+                "seconds": self.seconds}
+
+
+def _streams(generator: torch.Generator | None, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+    """Two independent device generators (drafts; acceptance + residual/bonus) from `generator`."""
+    if generator is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    else:
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+    draft = torch.Generator(device=device).manual_seed(seed)
+    accept = torch.Generator(device=device).manual_seed((seed * 0x9E3779B97F4A7C15 + 0x5851F42D) % (2**63 - 1))
+    return draft, accept
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    drafter: DSparkDrafter,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    num_drafts: int | None = None,
+    confidence_budget: bool = False,
+    budget_cost: tuple[float, float] | Callable[[torch.Tensor], torch.Tensor] | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    streamer: Callable[[list[list[int]]], Any] | None = None,
+    return_stats: bool = False,
+):
+    """Sample `max_new_tokens` after prompt [B, T] with DSpark speculative decoding -> tokens
+    [B, T + n] (and a `SpecStats` with return_stats).
+
+    The output has exactly the distribution of `target.generate(prompt, max_new_tokens,
+    temperature, top_k, top_p)` (greedy: the same tokens).  num_drafts (<= the drafter's block
+    size, default all) drafts are verified per round; the block is always drafted whole.
+    confidence_budget: verify only the prefix DSpark's scheduler picks (`budget_cost`: (fixed,
+    per verified position) cost of a round of the whole batch in any unit, or a callable on the
+    number of verified positions (B anchors + admitted drafts); profile it on the machine, as
+    benchmarks/spec.py does; the default (1, 0.5 / (B (g + 1))) says verifying every draft costs
+    1.5x verifying none).
+    eos_token_id: rows stop after an eos (finished rows are padded with the first eos id; the
+    result is as long as the longest row).  streamer(new_tokens_per_row) is called each round.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if prompt.dim() != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must have shape [B, T] with T >= 1, got {tuple(prompt.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    _check_target(target)
+    drafter.bind(target)
+    if target.lm_head.weight.device != drafter.device:
+        raise ValueError(f"the target is on {target.lm_head.weight.device} but the drafter on {drafter.device}")
+    dcfg = drafter.config
+    g = dcfg.block_size if num_drafts is None else num_drafts
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"num_drafts must be a positive integer, got {num_drafts!r}")
+    if g > dcfg.block_size:
+        raise ValueError(f"num_drafts={g} exceeds the drafter's trained block ({dcfg.block_size} drafts per round)")
+    if confidence_budget and drafter.confidence_head is None:
+        raise ValueError("confidence_budget needs a drafter with a confidence head")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= target.config.vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {target.config.vocab_size})")
+    B, T = prompt.shape
+    dev = drafter.device
+    prompt = prompt.to(dev)
+    eos = None
+    if eos_token_id is not None:
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+    greedy = temperature == 0
+    stats = SpecStats(position_accepts=[0] * g, position_tries=[0] * g)
+    if max_new_tokens == 0:
+        return (prompt.clone(), stats) if return_stats else prompt.clone()
+
+    was_training = (target.training, drafter.training)
+    target.eval()
+    drafter.eval()
+    t0 = time.perf_counter()
+    try:
+        draft_gen, accept_gen = _streams(generator, dev)
+        taps = dcfg.target_layer_ids
+        cache = SpecCache(target.config.num_hidden_layers, dcfg.num_hidden_layers, B,
+                          T + max_new_tokens + 2 * dcfg.block_size + 2, dev)
+
+        def process(logits: torch.Tensor) -> torch.Tensor:
+            return logits.float() if greedy else sampling_probs(logits, temperature, top_k, top_p)
+
+        # prefill (in chunks: sparse selection scores are [chunk, keys]): the prompt's keys and
+        # tap states; the first token comes from the target
+        for s0 in range(0, T, PREFILL_CHUNK):
+            s1 = min(T, s0 + PREFILL_CHUNK)
+            logits, tap = target_forward(target, cache, prompt[:, s0:s1], taps)
+            draft_context_update(drafter, cache, tap)
+            cache.set_lengths(torch.full((B,), s1, dtype=torch.long, device=dev), [s1] * B)
+        p0 = process(logits[:, -1])
+        anchor = p0.argmax(-1) if greedy else sample_probs(p0, accept_gen)
+        out: list[list[int]] = [[a] for a in anchor.tolist()]
+        done = [False] * B
+        if eos is not None:
+            for b in range(B):
+                if out[b][0] in eos:
+                    done[b] = True
+        if streamer is not None:
+            streamer([list(r) for r in out])
+        for b in range(B):
+            done[b] = done[b] or len(out[b]) >= max_new_tokens
+        active_h = [not d for d in done]
+        active = torch.tensor(active_h, dtype=torch.bool, device=dev)
+        cost = budget_cost if budget_cost is not None else (1.0, 0.5 / (B * (g + 1)))
+
+        while not all(done):
+            h = draft_hidden(drafter, cache, anchor)
+            prop = drafter.propose(h, anchor, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   generator=draft_gen, num_drafts=g, want_confidence=confidence_budget)
+            lengths = None
+            w = g
+            if confidence_budget:
+                lengths = schedule_budget(prop.confidence * active.unsqueeze(1), cost)
+                lengths = torch.where(active, lengths, torch.zeros_like(lengths))
+                w = int(lengths.max())  # host sync: the verify width
+            d_tok = prop.tokens[:, :w]
+            d_prob = None if greedy else prop.probs[:, :w]
+            vt = torch.cat([anchor.view(B, 1), d_tok], dim=1)  # [B, w + 1]
+            logits, tap = target_forward(target, cache, vt, taps)
+            n, toks = verify(d_tok, d_prob, process(logits), generator=accept_gen, greedy=greedy, lengths=lengths)
+            draft_context_update(drafter, cache, tap)
+            # one host sync per round: accepted counts and tokens
+            n_h, toks_h = n.tolist(), toks.tolist()
+            lens_h = lengths.tolist() if lengths is not None else None
+            new_tokens: list[list[int]] = [[] for _ in range(B)]
+            stats.rounds += 1
+            for b in range(B):
+                if not active_h[b]:
+                    continue
+                nb = n_h[b]
+                new = toks_h[b][: nb + 1]
+                tried = w if lens_h is None else lens_h[b]
+                stats.row_rounds += 1
+                stats.tokens += nb + 1
+                stats.accepted_drafts += nb
+                stats.verified_drafts += tried
+                for j in range(min(tried, g)):
+                    stats.position_tries[j] += 1
+                    if j < nb:
+                        stats.position_accepts[j] += 1
+                if eos is not None:
+                    for i, t in enumerate(new):
+                        if t in eos:
+                            new = new[: i + 1]
+                            done[b] = True
+                            break
+                room = max_new_tokens - len(out[b])
+                new = new[:room]
+                out[b].extend(new)
+                new_tokens[b] = new
+                if len(out[b]) >= max_new_tokens:
+                    done[b] = True
+            if streamer is not None:
+                streamer(new_tokens)
+            # roll back past the rejected drafts: length L + n + 1 for rows still running
+            step = torch.where(active, n + 1, torch.zeros_like(n))
+            host = [h_ + (n_h[b] + 1 if active_h[b] else 0) for b, h_ in enumerate(cache.host_lengths)]
+            cache.set_lengths(cache.lengths + step, host)
+            extra = toks.gather(1, n.view(B, 1)).squeeze(1)
+            anchor = torch.where(active, extra, anchor)
+            active_h = [not d for d in done]
+            active = torch.tensor(active_h, dtype=torch.bool, device=dev)
+    finally:
+        target.train(was_training[0])
+        drafter.train(was_training[1])
+    stats.seconds = time.perf_counter() - t0
+    n_out = max(len(r) for r in out)
+    pad = eos[0] if eos is not None else 0
+    gen = torch.tensor([r + [pad] * (n_out - len(r)) for r in out], dtype=torch.long, device=dev)
+    tokens = torch.cat([prompt, gen], dim=1)
+    return (tokens, stats) if return_stats else tokens
+
+
+@torch.no_grad()
+def autoregressive_generate(
+    target,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Plain decoding (one token per target forward) through the same cache and attention code
+    as `speculative_generate`: the same-engine baseline its speed is compared with."""
+    check_sampling(temperature, top_k, top_p)
+    _check_target(target)
+    B, T = prompt.shape
+    dev = target.lm_head.weight.device
+    prompt = prompt.to(dev)
+    if max_new_tokens <= 0:
+        return prompt.clone()
+    was = target.training
+    target.eval()
+    try:
+        _, gen = _streams(generator, dev)
+        cache = SpecCache(target.config.num_hidden_layers, 0, B, T + max_new_tokens + 1, dev)
+        out = [prompt]
+        for s0 in range(0, T, PREFILL_CHUNK):
+            s1 = min(T, s0 + PREFILL_CHUNK)
+            logits, _ = target_forward(target, cache, prompt[:, s0:s1])
+            cache.set_lengths(torch.full((B,), s1, dtype=torch.long, device=dev), [s1] * B)
+        for i in range(max_new_tokens):
+            if i:
+                logits, _ = target_forward(target, cache, tok)
+                cache.set_lengths(cache.lengths + 1, [h + 1 for h in cache.host_lengths])
+            last = logits[:, -1]
+            nxt = last.argmax(-1) if temperature == 0 else sample_probs(sampling_probs(last, temperature, top_k, top_p), gen)
+            tok = nxt.view(B, 1)
+            out.append(tok)
+        return torch.cat(out, dim=1)
+    finally:
+        target.train(was)

@@ -1,0 +1,333 @@
+"""Training checkpoints: atomic, hashed, pickle-free.
+
+Layout of a run folder::
+
+    <run>/checkpoints/step-00000200/    model weights (the model's save_pretrained: safetensors + config.json)
+                                        optimizer.safetensors + optimizer.json (tensors / scalars)
+                                        rng.safetensors + trainer_state.json (step, loader state, RNG, config)
+                                        tokenizer.json, manifest.json (sha256 of every other file)
+    <run>/checkpoints/latest            the name of the newest complete checkpoint
+
+Writing goes into ``checkpoints/.tmp-...``; every file is fsynced, the manifest written last, the
+folder renamed to ``step-N`` and only then ``latest`` replaced (os.replace, fsync of the folder).
+An interruption at any point (Ctrl-C included) leaves ``latest`` naming the previous complete
+checkpoint; older checkpoints are pruned only after the new one is in place.  Loading checks every
+file against the manifest (a missing, extra-modified or corrupt file is a `CheckpointError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+CKPT_DIR = "checkpoints"
+FORMAT = "msakit-train-checkpoint-v1"
+
+
+class CheckpointError(ValueError):
+    """A missing, corrupt or mismatching checkpoint (a user error: one line, exit status 2)."""
+
+
+# ----------------------------------------------------------------------------- files and hashes
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _list_files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+# ----------------------------------------------------------------------------- optimizer state
+def optimizer_to_files(optimizer: torch.optim.Optimizer, param_names: list[str]) -> tuple[dict, dict]:
+    """-> (tensors for safetensors, JSON-able scalars).  Tensors keyed ``state.<param name>.<key>``."""
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {"state": {}, "param_groups": [], "param_names": param_names}
+    for idx, st in sd["state"].items():
+        name = param_names[idx]
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                tensors[f"state.{name}.{key}"] = val.detach().cpu().contiguous().clone()
+            else:
+                scalars["state"].setdefault(name, {})[key] = val
+    for g in sd["param_groups"]:
+        gg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+        gg["params"] = [param_names[i] for i in g["params"]]
+        gg["_tuples"] = [k for k, v in g.items() if isinstance(v, tuple)]
+        scalars["param_groups"].append(gg)
+    return tensors, scalars
+
+
+def optimizer_from_files(optimizer: torch.optim.Optimizer, param_names: list[str], tensors: dict, scalars: dict) -> None:
+    if scalars.get("param_names") != param_names:
+        raise CheckpointError("optimizer state does not match the model's parameters")
+    index = {n: i for i, n in enumerate(param_names)}
+    state: dict[int, dict] = {}
+    for key, val in tensors.items():
+        _, rest = key.split(".", 1)
+        name, sub = rest.rsplit(".", 1)
+        if name not in index:
+            raise CheckpointError(f"optimizer state names an unknown parameter {name!r}")
+        state.setdefault(index[name], {})[sub] = val
+    for name, d in scalars.get("state", {}).items():
+        state.setdefault(index[name], {}).update(d)
+    groups = []
+    for g in scalars["param_groups"]:
+        g = dict(g)
+        tuples = g.pop("_tuples", [])
+        for k in tuples:
+            g[k] = tuple(g[k])
+        g["params"] = [index[n] for n in g["params"]]
+        groups.append(g)
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"optimizer state does not fit: {e}") from None
+
+
+# ----------------------------------------------------------------------------- RNG state
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    np_state = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(np.asarray(np_state[1], dtype=np.int64))
+    py = random.getstate()
+    scalars = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    return tensors, scalars
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    py = scalars["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = scalars["numpy"]
+    np.random.set_state((n[0], tensors["numpy_keys"].numpy().astype(np.uint32), n[1], n[2], n[3]))
+
+
+# ----------------------------------------------------------------------------- save / load
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CKPT_DIR
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    model,
+    optimizer: torch.optim.Optimizer | None,
+    param_names: list[str] | None = None,
+    state: dict | None = None,
+    tokenizer=None,
+    keep: int = 2,
+    _hook=None,
+) -> Path:
+    """Write checkpoint ``step-<step>`` atomically under ``run_dir/checkpoints``; return its path.
+
+    ``state`` (JSON-able) holds the step, data-loader state, config...; the RNG states are added
+    here.  ``_hook(stage)`` is called between stages (tests use it to simulate an interruption).
+    """
+    from safetensors.torch import save_file
+
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:08d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        model.save_pretrained(tmp)
+        if _hook:
+            _hook("model")
+        if optimizer is not None:
+            names = param_names or [n for n, _ in model.named_parameters()]
+            ot, os_ = optimizer_to_files(optimizer, names)
+            save_file(ot, str(tmp / "optimizer.safetensors"))
+            _write_json(tmp / "optimizer.json", os_)
+        if _hook:
+            _hook("optimizer")
+        rt, rs = rng_state()
+        save_file(rt, str(tmp / "rng.safetensors"))
+        full_state = {"format": FORMAT, "step": step, "time": time.time(), "rng": rs, **(state or {})}
+        _write_json(tmp / "trainer_state.json", full_state)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if _hook:
+            _hook("state")
+        files = [f for f in _list_files(tmp) if f != MANIFEST]
+        for f in files:
+            _fsync_file(tmp / f)
+        manifest = {"format": FORMAT, "step": step, "files": {f: sha256_file(tmp / f) for f in files}}
+        _write_json(tmp / MANIFEST, manifest)
+        _fsync_dir(tmp)
+        if _hook:
+            _hook("manifest")
+        final = root / name
+        old = None
+        if final.exists():  # the same step written again (e.g. a re-run): move the old one aside first
+            old = root / f".old-{name}-{os.getpid()}-{time.time_ns()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        if _hook:
+            _hook("rename")
+        _write_latest(root, name)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(root, keep, current=name)
+    return final
+
+
+def _umask() -> int:
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+def _write_latest(root: Path, name: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-latest-")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w") as fh:
+            fh.write(name + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, root / LATEST)
+        _fsync_dir(root)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _prune(root: Path, keep: int, current: str) -> None:
+    steps = sorted(p.name for p in root.glob("step-*") if p.is_dir())
+    for stale in root.glob(".tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    if keep > 0:
+        for n in steps[:-keep]:
+            if n != current:
+                shutil.rmtree(root / n, ignore_errors=True)
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """A checkpoint folder (has manifest.json), or a run folder / checkpoints folder -> its latest."""
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return p
+    for root in (p / CKPT_DIR, p):
+        lp = root / LATEST
+        if lp.is_file():
+            name = lp.read_text().strip()
+            cand = root / name
+            if name and (cand / MANIFEST).is_file():
+                return cand
+            # `latest` must always name a complete checkpoint; fall back to the newest complete one
+        steps = sorted(c for c in root.glob("step-*") if (c / MANIFEST).is_file()) if root.is_dir() else []
+        if steps:
+            return steps[-1]
+    return None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    ck = find_checkpoint(p)
+    if ck is None:
+        raise CheckpointError(f"no complete checkpoint in {path} (no manifest.json)")
+    return ck
+
+
+def verify_checkpoint(ckpt: str | os.PathLike) -> dict:
+    """Check every file against the manifest; return the manifest.  Raises CheckpointError."""
+    ck = Path(ckpt)
+    try:
+        manifest = json.loads((ck / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{ck} is not a checkpoint (no {MANIFEST})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"corrupt {MANIFEST} in {ck}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{ck / MANIFEST} is not an msakit checkpoint manifest")
+    for f, digest in manifest["files"].items():
+        fp = ck / f
+        if not fp.is_file():
+            raise CheckpointError(f"checkpoint {ck} is incomplete: {f} is missing")
+        if sha256_file(fp) != digest:
+            raise CheckpointError(f"checkpoint {ck} is corrupt: sha256 of {f} does not match its manifest")
+    return manifest
+
+
+def load_checkpoint_state(ckpt: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
+    """-> (trainer_state, rng tensors, optimizer tensors or None, optimizer scalars or None).  Verifies first."""
+    from safetensors.torch import load_file
+
+    ck = Path(ckpt)
+    verify_checkpoint(ck)
+    try:
+        state = json.loads((ck / "trainer_state.json").read_text())
+        rng = load_file(str(ck / "rng.safetensors"))
+        ot = os_ = None
+        if (ck / "optimizer.safetensors").is_file():
+            ot = load_file(str(ck / "optimizer.safetensors"))
+            os_ = json.loads((ck / "optimizer.json").read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {ck} lacks {Path(e.filename).name}") from None
+    except Exception as e:  # safetensors / json parse errors
+        raise CheckpointError(f"cannot read checkpoint {ck}: {str(e).splitlines()[0]}") from None
+    return state, rng, ot, os_

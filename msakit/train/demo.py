@@ -1,0 +1,404 @@
+"""`msakit demo`: the whole system in a few minutes on a 2-core CPU.
+
+1. corpus: Python's standard library sources (+ ``--data``), split by path hash; a byte-level BPE
+   trained on the training split (cached);
+2. model: the ``tiny`` M3 preset (4 layers, MSA in every layer with blocks of 32 and top-4 at a
+   512-token context, 8 experts top-2 + 1 shared);
+3. training on a time budget: a few calibration steps measure the speed, then the step count is
+   planned so that the run fits (``--budget``, default 180 s for the whole demo); full attention
+   first (the indexer learns by KL), sparse attention for the last part;
+4. evaluation of the same weights with dense and with sparse attention on the validation split
+   (the bar: sparse within 3% of dense), indexer recall against the oracle top-k per layer,
+   expert load balance; a generated sample;
+5. ``runs/demo/``: report.md, metrics.jsonl, loss.png, recall.png, the checkpoint and tokenizer.
+
+The run is written into a temporary folder beside ``--out`` and moved into place at the end, so
+an interrupted or failed demo leaves the previous ``runs/demo`` untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "tiny": dict(context=512, vocab_size=4096, batch_size=4, lr=4e-3, lr_warmup_steps=10, kl_every=8,
+                 sparse_fraction=0.1, max_epochs=2.0, budget_s=180.0, max_steps=600, eval_rows=8, final_eval_rows=16,
+                 recall_rows=2, sample_tokens=120, calib_steps=9, tokenizer_bytes=8 << 20),
+    "small": dict(context=2048, vocab_size=8192, batch_size=16, lr=1.5e-3, lr_warmup_steps=50, kl_every=1,
+                  sparse_fraction=0.25, max_epochs=2.0, budget_s=600.0, max_steps=20000, eval_rows=64, final_eval_rows=256,
+                  recall_rows=4, sample_tokens=200, calib_steps=12, tokenizer_bytes=None),
+}
+BAR = 0.03
+DEFAULT_PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "demo", help="train the tiny M3 model on the stdlib corpus in ~3 minutes and report dense vs sparse",
+        description=__doc__.split("\n\n")[0] + "  Writes report.md, metrics.jsonl and loss.png under --out.")
+    p.add_argument("--preset", choices=tuple(PROFILES), default="tiny", help="tiny (CPU, default) or small (GPU)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
+    p.add_argument("--out", default="runs/demo", metavar="DIR", help="output folder (default runs/demo)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="wall-time budget of the whole demo (default 180 for tiny, 600 for small)")
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="train exactly N steps (no time planning)")
+    p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="extra files or folders for the corpus")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the generated sample")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch (default: torch's)")
+    p.add_argument("--cache-dir", metavar="DIR", help="tokenizer / token cache (default $MSAKIT_CACHE or ~/.cache/msakit)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_demo(args)
+
+
+def _plan_steps(hist: list[dict], remaining: float, ncal: int, prof: dict, max_steps: int) -> tuple[int, int, dict]:
+    """Steps (total, sparse) that fit ``remaining`` seconds, from the calibration steps' times."""
+    timed = hist[1:] or hist  # the first step pays one-off costs
+    kl_t = [r["time_s"] for r in timed if r["kl"] is not None]
+    no_t = [r["time_s"] for r in timed if r["kl"] is None]
+    t_kl = sum(kl_t) / len(kl_t) if kl_t else (sum(no_t) / len(no_t))
+    t_no = sum(no_t) / len(no_t) if no_t else t_kl
+    k = prof["kl_every"]
+    t_dense = ((k - 1) * t_no + t_kl) / k
+    # sparse attention through the reference ops costs about as much as the KL term on a CPU
+    t_sparse_no = max(t_kl, t_no)
+    t_sparse_kl = t_sparse_no + max(0.0, t_kl - t_no)
+    t_sparse = ((k - 1) * t_sparse_no + t_sparse_kl) / k
+    f = prof["sparse_fraction"]
+    n = int((remaining + ncal * t_dense) / ((1 - f) * t_dense + f * t_sparse))
+    n = max(ncal + 8, min(max_steps, n))
+    n_sparse = min(n - ncal, max(12, int(round(f * n))))
+    return n, n_sparse, {"t_dense_s": t_dense, "t_sparse_s": t_sparse, "t_kl_step_s": t_kl, "t_plain_step_s": t_no}
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from msakit.models import M3Config, M3ForCausalLM
+    from msakit.train import checkpoint as ckpt_mod
+    from msakit.train.data import eval_batches, prepare_data
+    from msakit.train.metrics import autocast_for
+    from msakit.train.plots import write_plots
+    from msakit.train.run import TextStreamer, check_context
+    from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, read_metrics, resolve_device
+
+    t_start = time.time()
+    prof = dict(PROFILES[args.preset])
+    budget = float(args.budget if args.budget is not None else prof["budget_s"])
+    if budget <= 0:
+        raise ValueError(f"--budget must be positive, got {budget}")
+    if args.steps is not None and args.steps < 2:
+        raise ValueError(f"--steps must be at least 2, got {args.steps}")
+    device = resolve_device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+
+    torch.manual_seed(args.seed)
+    mcfg0 = M3Config.preset(args.preset, vocab_size=prof["vocab_size"])
+    check_context(mcfg0, prof["context"])
+    max_steps = args.steps or prof["max_steps"]
+    B, T = prof["batch_size"], prof["context"]
+    log(f"msakit demo: preset {args.preset} on {device} ({torch.get_num_threads()} threads), budget {budget:.0f}s")
+
+    # 1. data ------------------------------------------------------------------------------------
+    t0 = time.time()
+    max_train_tokens = max_steps * B * T
+    pd = prepare_data(args.data, stdlib=True, vocab_size=prof["vocab_size"], context=T, cache_dir=args.cache_dir,
+                      max_train_tokens=max_train_tokens, max_val_tokens=max(prof["final_eval_rows"], prof["eval_rows"]) * T,
+                      tokenizer_max_bytes=prof["tokenizer_bytes"])
+    tok = pd.tokenizer
+    t_data = time.time() - t0
+    # at most max_epochs passes over the training rows (a fast GPU would otherwise just memorise the corpus)
+    if args.steps is None:
+        max_steps = max(prof["calib_steps"] + 8, min(max_steps, int(prof["max_epochs"] * len(pd.train) / B)))
+    log(f"data ({t_data:.1f}s): {pd.summary()}")
+
+    # 2. model -----------------------------------------------------------------------------------
+    mcfg = M3Config.preset(args.preset, vocab_size=tok.vocab_size)
+    torch.manual_seed(args.seed)
+    model = M3ForCausalLM(mcfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    E, k_act = mcfg.num_local_experts, mcfg.num_experts_per_tok
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts.w" in n)
+    active = n_params - routed + routed * k_act // E
+    log(f"model: {n_params / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per token), {mcfg.num_hidden_layers} layers, "
+        f"MSA block {mcfg.index_block_size} top-{mcfg.index_topk_blocks} at context {T}, {E} experts top-{k_act}")
+
+    # 3. train -----------------------------------------------------------------------------------
+    work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-tmp-"))
+    os.chmod(work, 0o777 & ~_umask())
+    try:
+        cfg = TrainConfig(steps=max_steps, batch_size=B, lr=prof["lr"], lr_warmup_steps=prof["lr_warmup_steps"],
+                          dense_warmup_steps=max_steps, kl_every=prof["kl_every"], log_every=5,
+                          eval_every=max_steps, eval_rows=prof["eval_rows"], recall_rows=prof["recall_rows"],
+                          save_every=max_steps, keep_checkpoints=1, seed=args.seed)
+        meta = {"kind": "demo", "preset": args.preset,
+                "data": {"data": [str(d) for d in (args.data or [])], "stdlib": True, "vocab_size": prof["vocab_size"],
+                         "context": T, "val_fraction": 0.02, "long_min_tokens": 32768,
+                         "max_train_tokens": max_train_tokens},
+                "long_files": [f.name for f in pd.corpus.long]}
+        trainer = Trainer(model, cfg, pd.train, pd.val, out_dir=work, device=device, tokenizer=tok,
+                          progress=not args.no_progress, meta=meta)
+        plan: dict[str, Any] = {}
+        t_train0 = time.time()
+        reserve = 0.0
+        if args.steps is None:
+            ncal = prof["calib_steps"]
+            trainer.fit(until=ncal)
+            # what follows training: 3 small evaluations, the final dense + sparse evaluation (forward only,
+            # about a third of a training step per batch), the sample, plots and the report
+            timed = trainer.history[1:]
+            t_step = sum(r["time_s"] for r in timed) / max(1, len(timed))
+            t_fwd = t_step / 3
+            n_eval_b = -(-prof["final_eval_rows"] // B)
+            reserve = (2.5 * n_eval_b + 3 * 2 * -(-prof["eval_rows"] // B)) * t_fwd + 0.05 * budget + 4.0
+            remaining = budget - (time.time() - t_start) - reserve
+            n, n_sparse, plan = _plan_steps(trainer.history, remaining, ncal, prof, max_steps)
+            plan["reserve_s"] = reserve
+        else:
+            n = args.steps
+            n_sparse = max(1, int(round(prof["sparse_fraction"] * n)))
+        cfg.steps = n
+        cfg.dense_warmup_steps = n - n_sparse
+        cfg.eval_every = max(5, n // 3)
+        cfg.save_every = n
+        log(f"plan: {n} steps ({n - n_sparse} full attention + {n_sparse} sparse), {B} x {T} tokens each"
+            + (f"; measured {plan['t_dense_s']:.2f}s per dense step" if plan else ""))
+        deadline = t_start + budget - 0.5 * reserve if args.steps is None else None
+        trainer.fit(deadline=deadline)
+        if trainer.step < cfg.steps:  # behind schedule: end here (and still compare dense vs sparse)
+            log(f"time budget reached at step {trainer.step} of {cfg.steps}")
+            cfg.steps = trainer.step  # the report states what ran
+            cfg.dense_warmup_steps = min(cfg.dense_warmup_steps, trainer.step)
+            trainer.save()
+        t_train = time.time() - t_train0
+
+        # 4. evaluate ----------------------------------------------------------------------------
+        t0 = time.time()
+        rows = prof["final_eval_rows"]
+        if args.steps is None and trainer.history:  # behind schedule (a busy machine): a smaller final evaluation
+            recent = trainer.history[-10:]
+            t_fwd = sum(r["time_s"] for r in recent) / len(recent) / 3
+            left = budget - (time.time() - t_start) - 3.0
+            rows = max(B, min(rows, B * int(0.8 * left / max(1e-6, 2.5 * t_fwd))))
+        final = eval_batches(pd.val, B, rows)
+        ev_s = trainer.evaluate(mode="sparse", batches=final, recall_rows=prof["recall_rows"], compute_kl=False)
+        ev_d = trainer.evaluate(mode="dense", batches=final, recall_rows=0, compute_kl=False)
+        model.set_attention_mode("sparse")
+        gap = (ev_s["loss"] - ev_d["loss"]) / ev_d["loss"]
+        layers = ev_s.get("layers", [])
+        rec = {"kind": "final", "step": trainer.step, "val_loss_dense": ev_d["loss"], "val_loss_sparse": ev_s["loss"],
+               "relative_gap": gap, "val_tokens": ev_s["tokens"],
+               "recall_per_layer": [x["recall"] for x in layers], "oracle_per_layer": [x["oracle"] for x in layers],
+               "recall_far_per_layer": [x["recall_far"] for x in layers],
+               "oracle_far_per_layer": [x["oracle_far"] for x in layers], "kl_per_layer": [x["kl"] for x in layers],
+               "val_load_balance": ev_s.get("load_balance", [])}
+        with open(work / METRICS_FILE, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        t_eval = time.time() - t0
+
+        # sample --------------------------------------------------------------------------------
+        t0 = time.time()
+        ids = tok.encode(args.prompt) or [tok.eos_id]
+        n_new = min(prof["sample_tokens"], mcfg.max_position_embeddings - len(ids))
+        gen = torch.Generator(device="cpu").manual_seed(args.seed)
+        streamer = TextStreamer(tok, stream=_NullStream(), eos_id=tok.eos_id)
+        with torch.no_grad(), autocast_for(device):
+            model.generate(torch.tensor([ids], device=device), max(0, n_new), temperature=0.8, top_k=40,
+                           generator=gen, streamer=streamer, eos_token_id=tok.eos_id)
+        sample = args.prompt + streamer.text()
+        t_sample = time.time() - t0
+
+        write_plots(work / METRICS_FILE, work, switch_step=cfg.dense_warmup_steps if n_sparse else None)
+        recs = read_metrics(work / METRICS_FILE)
+        train_loads = [r["load_balance"] for r in recs if r.get("kind") == "train" and r.get("load_balance")]
+        total = time.time() - t_start
+        info = dict(
+            preset=args.preset, device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
+            python=platform.python_version(), params=n_params, active=active, config=mcfg, train_cfg=cfg,
+            corpus=pd.corpus.summary(), train_tokens=pd.train.num_tokens, vocab=tok.vocab_size, data_s=t_data,
+            tok_timings=pd.timings, train_s=t_train, eval_s=t_eval, sample_s=t_sample, total_s=total,
+            budget=budget, plan=plan, final=rec, sample=sample, tokens_seen=trainer.tokens_seen,
+            first_loss=trainer.history[0]["loss"] if trainer.history else math.nan,
+            last_losses=[r["loss"] for r in trainer.history[-10:]], train_loads=train_loads[-1] if train_loads else [],
+            evals=[r for r in recs if r.get("kind") == "eval"], checkpoint=ckpt_mod.find_checkpoint(work),
+        )
+        (work / "report.md").write_text(_report(info, out), encoding="utf-8")
+        tok.save(work)
+        _swap_into_place(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    _print_summary(info, out)
+    return 0
+
+
+def _umask() -> int:
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+class _NullStream:
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def _swap_into_place(work: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}-old-{os.getpid()}-{time.time_ns()}"
+        os.rename(out, old)
+    os.rename(work, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fmt_list(xs, nd=3) -> str:
+    return ", ".join("n/a" if (x is None or (isinstance(x, float) and math.isnan(x))) else f"{x:.{nd}f}" for x in xs)
+
+
+def _report(i: dict, out: Path) -> str:
+    f = i["final"]
+    cfg, tc = i["config"], i["train_cfg"]
+    ok = f["relative_gap"] <= BAR
+    n_sparse = tc.steps - tc.dense_warmup_steps
+    lines = [
+        "# msakit demo report",
+        "",
+        f"Preset `{i['preset']}` on {i['device']} ({i['threads']} threads), torch {i['torch']}, Python {i['python']}.",
+        f"Total wall time **{i['total_s']:.0f} s** (budget {i['budget']:.0f} s): data + tokenizer {i['data_s']:.1f} s, "
+        f"training {i['train_s']:.0f} s, evaluation {i['eval_s']:.1f} s, sample {i['sample_s']:.1f} s.",
+        "",
+        "## Result",
+        "",
+        "Validation loss of the **same weights** run with full (dense) attention and with MSA sparse attention "
+        f"({f['val_tokens']:,} validation tokens, cross-entropy in nats/token):",
+        "",
+        "| attention | val loss | perplexity |",
+        "|---|---|---|",
+        f"| dense | {f['val_loss_dense']:.4f} | {math.exp(f['val_loss_dense']):.2f} |",
+        f"| sparse (block {cfg.index_block_size}, top-{cfg.index_topk_blocks}: at most "
+        f"{cfg.index_block_size * cfg.index_topk_blocks} of {_ctx(i)} keys per query) | {f['val_loss_sparse']:.4f} | "
+        f"{math.exp(f['val_loss_sparse']):.2f} |",
+        "",
+        f"Relative gap (sparse - dense) / dense = **{100 * f['relative_gap']:+.2f}%** "
+        f"-> {'PASS' if ok else 'FAIL'} (bar: within {100 * BAR:.0f}%).",
+        "",
+        "## Indexer recall",
+        "",
+        "Share of the group-averaged dense attention mass that falls in the blocks the indexer selected, next to "
+        "the same share for the oracle top-k blocks (same forced own block), on "
+        f"{PROFILES[i['preset']]['recall_rows']} validation rows:",
+        "",
+        "| layer | recall | oracle | recall (queries past k blocks) | oracle (past k) | KL(P ‖ P_idx) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for li, (r, o, rf, of, kl) in enumerate(zip(f["recall_per_layer"], f["oracle_per_layer"], f["recall_far_per_layer"],
+                                               f["oracle_far_per_layer"], f["kl_per_layer"])):
+        lines.append(f"| {li} | {r:.3f} | {o:.3f} | {_fmt_list([rf])} | {_fmt_list([of])} | {kl:.4f} |")
+    if f["recall_per_layer"]:
+        mr = sum(f["recall_per_layer"]) / len(f["recall_per_layer"])
+        mo = sum(f["oracle_per_layer"]) / len(f["oracle_per_layer"])
+        lines += ["", f"Mean recall {mr:.3f} vs oracle {mo:.3f}."]
+    lines += [
+        "",
+        "## Training",
+        "",
+        f"- Corpus: {i['corpus']}; byte-level BPE, vocabulary {i['vocab']}.",
+        f"- Model: {i['params'] / 1e6:.2f}M parameters ({i['active'] / 1e6:.2f}M active per token): hidden "
+        f"{cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} query / "
+        f"{cfg.num_key_value_heads} KV heads of {cfg.head_dim}, MSA in every layer (index dim {cfg.index_head_dim}, "
+        f"block {cfg.index_block_size}, top-{cfg.index_topk_blocks}, own block forced), {cfg.num_local_experts} experts "
+        f"top-{cfg.num_experts_per_tok} + {cfg.n_shared_experts} shared (layer 0 dense MLP).",
+        f"- Recipe: {tc.steps} AdamW steps of {tc.batch_size} x {_ctx(i)} tokens ({i['tokens_seen']:,} target tokens), "
+        f"lr {tc.lr:g} (warm-up {tc.lr_warmup_steps}, cosine to {tc.min_lr_ratio:g}x), clip {tc.grad_clip:g}; "
+        f"full attention for {tc.dense_warmup_steps} steps (indexer trained by KL, lambda {tc.kl_coef:g}, "
+        f"every {tc.kl_every} steps), then sparse attention for {n_sparse} steps; auxiliary-loss-free MoE balancing "
+        f"(bias rate {tc.routing_bias_rate:g}).",
+        f"- Train loss {i['first_loss']:.3f} at step 1 -> {sum(i['last_losses']) / max(1, len(i['last_losses'])):.3f} "
+        f"(mean of the last {len(i['last_losses'])} steps).",
+    ]
+    if i["train_loads"]:
+        lines.append(f"- Expert load balance (max / mean tokens per expert, per MoE layer, last log interval): "
+                     f"{_fmt_list(i['train_loads'], 2)}; on validation: {_fmt_list(f['val_load_balance'], 2)}.")
+    if i["evals"]:
+        lines.append("- Validation during training: " + "; ".join(
+            f"step {e['step']} ({e['mode']}) {e['val_loss']:.3f}" for e in i["evals"]) + ".")
+    if i["plan"]:
+        p = i["plan"]
+        lines.append(f"- Step plan from calibration: {p['t_dense_s']:.2f} s per full-attention step, "
+                     f"~{p['t_sparse_s']:.2f} s estimated per sparse step.")
+    lines += [
+        "",
+        "![loss](loss.png)",
+        "",
+        "![recall](recall.png)",
+        "",
+        "## Sample",
+        "",
+        "Sparse attention, temperature 0.8, top-k 40:",
+        "",
+        "```python",
+        i["sample"].replace("```", "`` `"),
+        "```",
+        "",
+        "## Files",
+        "",
+        "- `metrics.jsonl`: train records every 5 steps, validation records, the final dense/sparse record",
+        "- `loss.png`, `recall.png`: curves",
+        f"- `{Path(str(i['checkpoint'])).relative_to(Path(str(i['checkpoint'])).parents[1]) if i['checkpoint'] else 'checkpoints/'}`: "
+        "weights (safetensors, HF MiniMax-M3 names), optimizer, RNG and data-loader state, manifest with sha256",
+        "- `tokenizer.json`",
+        "",
+        f"Sample again: `msakit generate {out} --prompt 'import os'`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _ctx(i: dict) -> int:
+    return PROFILES[i["preset"]]["context"]
+
+
+def _print_summary(i: dict, out: Path) -> None:
+    f = i["final"]
+    ok = f["relative_gap"] <= BAR
+    r = f["recall_per_layer"]
+    o = f["oracle_per_layer"]
+    print()
+    print(f"msakit demo finished in {i['total_s']:.0f}s ({i['train_cfg'].steps} steps, {i['tokens_seen']:,} tokens)")
+    print(f"  validation loss, same weights: dense {f['val_loss_dense']:.4f}, sparse {f['val_loss_sparse']:.4f} "
+          f"({100 * f['relative_gap']:+.2f}%, {'PASS' if ok else 'FAIL'}: bar {100 * BAR:.0f}%)")
+    if r:
+        print(f"  indexer recall per layer: {_fmt_list(r)} (oracle {_fmt_list(o)})")
+    first = i["sample"].splitlines()[:4]
+    print("  sample: " + "\n          ".join(first))
+    print(f"  report: {out / 'report.md'}  plots: {out / 'loss.png'}, {out / 'recall.png'}")
+
+
+__all__ = ["add_parser", "run_demo", "PROFILES"]

@@ -1,0 +1,371 @@
+"""The training loop: AdamW, warm-up + cosine, clipping, the MSA recipe, metrics, checkpoints.
+
+Loss = LM cross-entropy + ``kl_coef`` x (sum of the MSA layers' KL terms, ``out.kl``).  The seed's
+recipe: steps ``< dense_warmup_steps`` run full attention (``set_attention_mode("dense")``; the
+indexer still learns through the KL over its own selection), later steps run ``"sparse"``.  After
+every optimizer step the MoE routing bias moves toward balance (auxiliary-loss-free:
+``model.update_routing_bias(out.expert_load, rate)``).  bf16 autocast on CUDA, float32 on CPU.
+
+Everything a step depends on is a function of the step number or is checkpointed (learning rate,
+attention mode, data-loader position, optimizer moments, RNG states, routing bias in the weights),
+so N steps straight and N/2 + resume + N/2 give the same losses (bit-identical on CPU).
+
+Ctrl-C: the loop stops at once; a checkpoint being written is discarded (its temporary folder is
+removed) and ``checkpoints/latest`` keeps naming the last complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from msakit.train import checkpoint as ckpt_mod
+from msakit.train.data import Batch, PackedRows, RowLoader, eval_batches
+from msakit.train.metrics import autocast_for, evaluate, load_balance, model_forward
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    lr_warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    kl_coef: float = 1.0  # lambda in L = L_LM + lambda * sum_layers KL
+    kl_every: int = 1  # compute the KL term (the indexer's only signal) every n-th step: a CPU compute knob
+    dense_warmup_steps: int = 100  # full-attention warm-up (the indexer learns by KL meanwhile)
+    routing_bias_rate: float = 1e-3
+    log_every: int = 10
+    eval_every: int = 100
+    eval_rows: int = 32
+    recall_rows: int = 2
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    seed: int = 0
+    doc_attention: bool = False  # feed packed rows through the cu_seqlens path (attention stays inside documents)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "log_every", "eval_every", "save_every", "kl_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("lr_warmup_steps", "dense_warmup_steps", "eval_rows", "recall_rows", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.kl_coef < 0 or self.grad_clip < 0 or self.routing_bias_rate < 0:
+            raise ValueError("kl_coef, grad_clip and routing_bias_rate must be >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up over lr_warmup_steps, then cosine from lr down to lr * min_lr_ratio at cfg.steps."""
+    if cfg.lr_warmup_steps and step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    span = max(1, cfg.steps - cfg.lr_warmup_steps)
+    t = min(1.0, (step - cfg.lr_warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def mode_at(cfg: TrainConfig, step: int) -> str:
+    return "dense" if step < cfg.dense_warmup_steps else "sparse"
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+class Trainer:
+    """Owns the optimizer, the loop, logging, evaluation and checkpoints of one run folder."""
+
+    def __init__(
+        self,
+        model,
+        cfg: TrainConfig,
+        train_rows: PackedRows,
+        val_rows: PackedRows | None,
+        *,
+        out_dir: str | os.PathLike,
+        device: torch.device | str | None = None,
+        tokenizer=None,
+        callbacks: Sequence[Callable[["Trainer", dict], None]] = (),
+        progress: bool = True,
+        meta: dict | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(device) if not isinstance(device, torch.device) else device
+        self.model = model.to(self.device)
+        self.out_dir = Path(out_dir)
+        self.tokenizer = tokenizer
+        self.callbacks = list(callbacks)
+        self.progress = progress
+        self.meta = dict(meta or {})
+        self.train_rows = train_rows
+        self.val_rows = val_rows
+        self.loader = RowLoader(train_rows, cfg.batch_size, seed=cfg.seed, shuffle=True)
+        self._val = eval_batches(val_rows, cfg.batch_size, cfg.eval_rows) if val_rows is not None else []
+        params = [p for n, p in model.named_parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        # param order inside the optimizer must match param_names for the checkpoint mapping
+        self.param_names = [n for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2] + \
+                           [n for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=self.device.type == "cuda",
+        )
+        self.step = 0
+        self.history: list[dict] = []  # per-step records (loss, kl, lr, ...)
+        self.last_eval: dict | None = None
+        self._acc: dict[str, Any] = {}
+        self._t0 = time.time()
+        self.tokens_seen = 0
+        torch.manual_seed(cfg.seed)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        cfg, model = self.cfg, self.model
+        t0 = time.time()
+        mode = mode_at(cfg, self.step)
+        model.set_attention_mode(mode)
+        model.train()
+        batch = self.loader.next_batch().to(self.device)
+        with_kl = cfg.kl_coef > 0 and self.step % cfg.kl_every == 0
+        with autocast_for(self.device):
+            out = model_forward(model, batch, doc_attention=cfg.doc_attention, compute_kl=with_kl)
+            lm = out.loss
+            kl = torch.as_tensor(out.kl, device=lm.device, dtype=torch.float32) if out.kl is not None else lm.new_zeros(())
+            loss = lm.float() + cfg.kl_coef * kl.float()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is not finite at step {self.step} ({float(lm):.4g} LM, {float(kl):.4g} KL)")
+        loss.backward()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else \
+            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+        lr = lr_at(cfg, self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        el = getattr(out, "expert_load", None)
+        if el is not None and el.numel() and cfg.routing_bias_rate > 0:
+            model.update_routing_bias(el.detach(), rate=cfg.routing_bias_rate)
+        self.step += 1
+        self.tokens_seen += batch.num_targets
+        rec = {"step": self.step, "loss": float(lm.detach()), "kl": float(kl.detach()) if with_kl else None, "lr": lr,
+               "grad_norm": float(gn), "mode": mode, "time_s": time.time() - t0}
+        if el is not None and el.numel():
+            acc = self._acc.get("load")
+            self._acc["load"] = el.detach().float() if acc is None else acc + el.detach().float()
+        self.history.append(rec)
+        return rec
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, mode: str | None = None, batches: list[Batch] | None = None, recall_rows: int | None = None,
+                 compute_kl: bool = True) -> dict:
+        return evaluate(self.model, self._val if batches is None else batches, self.device, mode=mode,
+                        doc_attention=self.cfg.doc_attention, compute_kl=compute_kl,
+                        recall_rows=self.cfg.recall_rows if recall_rows is None else recall_rows)
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, record: dict) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / METRICS_FILE, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def _interval_record(self, recent: list[dict]) -> dict:
+        r = {
+            "kind": "train",
+            "step": self.step,
+            "loss": sum(x["loss"] for x in recent) / len(recent),
+            "kl": _mean([x["kl"] for x in recent if x["kl"] is not None]),
+            "lr": recent[-1]["lr"],
+            "grad_norm": recent[-1]["grad_norm"],
+            "mode": recent[-1]["mode"],
+            "tokens": self.tokens_seen,
+            "elapsed_s": round(time.time() - self._t0, 3),
+        }
+        lb = load_balance(self._acc.pop("load", None))
+        if lb:
+            r["load_balance"] = lb
+            r["load_balance_max"] = max(lb)
+        return r
+
+    def eval_record(self, mode: str | None = None) -> dict:
+        ev = self.evaluate(mode=mode)
+        rec = {"kind": "eval", "step": self.step, "mode": mode or mode_at(self.cfg, max(0, self.step - 1)),
+               "val_loss": ev["loss"], "val_kl": ev["kl"]}
+        if ev.get("layers"):
+            rec["kl_per_layer"] = [x["kl"] for x in ev["layers"]]
+            rec["recall_per_layer"] = [x["recall"] for x in ev["layers"]]
+            rec["oracle_per_layer"] = [x["oracle"] for x in ev["layers"]]
+            rec["recall_far_per_layer"] = [x["recall_far"] for x in ev["layers"]]
+            rec["oracle_far_per_layer"] = [x["oracle_far"] for x in ev["layers"]]
+        if ev.get("load_balance"):
+            rec["val_load_balance"] = ev["load_balance"]
+        self.last_eval = rec
+        return rec
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        return {
+            "config": asdict(self.cfg),
+            "loader": self.loader.state_dict(),
+            "tokens_seen": self.tokens_seen,
+            "meta": self.meta,
+        }
+
+    def save(self, _hook=None) -> Path:
+        return ckpt_mod.save_checkpoint(
+            self.out_dir, self.step, model=self.model, optimizer=self.optimizer, param_names=self.param_names,
+            state=self.state(), tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints, _hook=_hook)
+
+    def resume(self, path: str | os.PathLike, load_weights: Callable[[Path], None] | None = None) -> Path:
+        """Restore weights, optimizer, loader, RNG and step from a checkpoint (verified first)."""
+        ck = ckpt_mod.resolve_checkpoint(path)
+        state, rng, ot, os_ = ckpt_mod.load_checkpoint_state(ck)
+        if load_weights is not None:
+            load_weights(ck)
+        else:
+            load_model_weights(self.model, ck)
+        if ot is not None:
+            ckpt_mod.optimizer_from_files(self.optimizer, self.param_names, ot, os_)
+            for st in self.optimizer.state.values():  # move moments beside their parameters
+                for k, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        st[k] = v.to(self.device)
+        self.loader.load_state_dict(state["loader"])
+        ckpt_mod.set_rng_state(rng, state["rng"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        # the log continues from the checkpoint: drop records of steps the checkpoint did not see
+        mf = self.out_dir / METRICS_FILE
+        if mf.is_file():
+            keep = []
+            for line in mf.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= self.step:
+                        keep.append(line)
+                except json.JSONDecodeError:
+                    continue
+            tmp = mf.with_suffix(".tmp")
+            tmp.write_text("".join(x + "\n" for x in keep))
+            os.replace(tmp, mf)
+        return ck
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, until: int | None = None, deadline: float | None = None) -> list[dict]:
+        """Train up to step ``until`` (default cfg.steps), or until ``time.time() > deadline``.
+        Returns the per-step records of this call."""
+        cfg = self.cfg
+        end = cfg.steps if until is None else min(until, cfg.steps)
+        start_hist = len(self.history)
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True, leave=False)
+        recent: list[dict] = []
+        try:
+            while self.step < end:
+                if deadline is not None and time.time() > deadline:
+                    break
+                rec = self.train_step()
+                recent.append(rec)
+                if bar is not None:
+                    bar.update(1)
+                    post = {"loss": f"{rec['loss']:.3f}", "mode": rec["mode"]}
+                    if rec["kl"] is not None:
+                        post["kl"] = f"{rec['kl']:.3f}"
+                    bar.set_postfix(post)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    self._log(self._interval_record(recent))
+                    recent = []
+                if self._val and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    self._log(self.eval_record())
+                    self.write_plots()
+                if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                    self.save()
+                for cb in self.callbacks:
+                    cb(self, rec)
+        except KeyboardInterrupt:
+            if bar is not None:
+                bar.close()
+                bar = None
+            last = ckpt_mod.find_checkpoint(self.out_dir)
+            print(f"\ninterrupted at step {self.step}; last checkpoint: {last if last else 'none'}", flush=True)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.history[start_hist:]
+
+    def write_plots(self) -> None:
+        try:
+            from msakit.train.plots import write_plots
+
+            write_plots(self.out_dir / METRICS_FILE, self.out_dir, switch_step=self.cfg.dense_warmup_steps)
+        except ImportError:
+            pass
+
+
+def _mean(xs: list) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def load_model_weights(model, ckpt: Path) -> None:
+    """Copy the checkpoint's weights (saved by save_pretrained) into ``model`` in place."""
+    cls = type(model)
+    try:
+        other = cls.from_pretrained(ckpt, device="cpu")
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+        raise ckpt_mod.CheckpointError(f"cannot load the weights of {ckpt}: {str(e).splitlines()[0]}") from None
+    sd = other.state_dict()
+    own = model.state_dict()
+    if set(sd) != set(own) or any(sd[k].shape != own[k].shape for k in own):
+        raise ckpt_mod.CheckpointError(f"checkpoint {ckpt} does not match the model (different config)")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(sd[k])
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    out = []
+    p = Path(path)
+    if not p.is_file():
+        return out
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+__all__ = ["TrainConfig", "Trainer", "lr_at", "mode_at", "resolve_device", "load_model_weights", "read_metrics",
+           "METRICS_FILE"]
