@@ -456,6 +456,161 @@ def test_kernels_float16_and_layouts():
         )
 
 
+E2M1_DECISIONS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _grid_step(v: torch.Tensor, dtype: torch.dtype, k: torch.Tensor) -> torch.Tensor:
+    """Positive values v rounded to `dtype`, then moved k representable values (k may be < 0)."""
+    r = v.to(dtype)
+    ib = torch.int16 if r.element_size() == 2 else torch.int32
+    return (r.view(ib) + k.to(ib)).view(dtype)
+
+
+def nvfp4_decision_blocks(dtype, gs: float, amax_lo: float, amax_hi: float, n_blocks: int = 192, seed: int = 0):
+    """[n_blocks, 16] blocks whose elements sit on and next to the E2M1 decision points d * t
+    (t = 0.25, ..., 5) of the block's own decode scale d = e4m3(amax / 6 / gs) * gs (no power of
+    two): element 0 is the block amax, the others d * t rounded to `dtype` and moved -2..2
+    representable values, with random signs."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n_blocks, generator=g, dtype=torch.float64)
+    amax = torch.exp(u * (math.log(amax_hi) - math.log(amax_lo)) + math.log(amax_lo)).to(dtype)
+    gsf = torch.tensor(gs, dtype=torch.float32)
+    d = (R.e4m3_round(amax.float() / torch.tensor(6.0) / gsf) * gsf).double()
+    t = torch.tensor(E2M1_DECISIONS, dtype=torch.float64)[torch.randint(0, 7, (n_blocks, 15), generator=g)]
+    cand = _grid_step(d[:, None] * t, dtype, torch.randint(-2, 3, (n_blocks, 15), generator=g))
+    cand = torch.where(torch.rand(n_blocks, 15, generator=g) < 0.5, -cand, cand)
+    return torch.cat([amax[:, None], cand], dim=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "dtype, gs, amax_lo, amax_hi",
+    [
+        (torch.float32, 0.0137, 0.5, 4.0e3),
+        (torch.float32, 3.3e-30, 1.0e-29, 5.0e-27),
+        (torch.float32, 7.0e-40, 5.0e-39, 1.0e-36),  # subnormal global and decode scales
+        (torch.bfloat16, 0.0137, 0.5, 4.0e3),
+        (torch.bfloat16, 1.1e-35, 1.0e-34, 1.0e-32),
+        (torch.float16, 0.0137, 0.1, 30.0),
+        (torch.float16, 2.1e-6, 1.0e-5, 5.0e-3),  # float16-subnormal elements
+        (torch.float32, 2.0**-7, 0.5, 4.0e3),  # power-of-two scales: exact ties q == t
+        (torch.bfloat16, 2.0**-7, 0.5, 4.0e3),
+        (torch.float16, 2.0**-10, 1.0e-3, 30.0),
+    ],
+)
+def test_nvfp4_decision_points(dtype, gs, amax_lo, amax_hi):
+    """The kernels decide E2M1 codes without dividing (|x| against per-block bounds, see
+    formats/triton.py); elements on and around every decision point, with decode scales that
+    are not powers of two, give the reference's codes and values bit for bit."""
+    x = nvfp4_decision_blocks(dtype, gs, amax_lo, amax_hi, seed=int(amax_lo * 1e3 + gs * 1e4) % 97)
+    check_all_nvfp4(x, f"decision points {dtype} gs={gs}", global_scale=gs)
+    check_all_nvfp4(x[:, torch.randperm(16, generator=torch.Generator().manual_seed(3))], "permuted", global_scale=gs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_nvfp4_hset2_compare_variant(dtype):
+    """The NVFP4 quantize kernels' alternative packed comparison (set.gt.{bf16,f16}x2 instead of
+    integer arithmetic, packed_compare="hset2"): the same bits on decision points, subnormal
+    and extreme inputs (on CUDA this checks the hardware comparison's semantics)."""
+    from msakit.quant.formats.triton import nvfp4_fake_quantize_triton, nvfp4_quantize_triton
+
+    gs_dec = 0.0137 if dtype == torch.bfloat16 else 2.1e-6
+    lo, hi = (0.5, 4.0e3) if dtype == torch.bfloat16 else (1.0e-5, 5.0e-3)
+    cases = [
+        (nvfp4_decision_blocks(dtype, gs_dec, lo, hi, seed=5), gs_dec),
+        (nvfp4_decision_blocks(dtype, 2.0**-7, 0.5, 30.0, seed=6), 2.0**-7),
+        (subnormal_values(dtype), None),
+        (extreme_values(dtype), None),
+        (random_rows((4, 12, 96), dtype, lo=-4, hi=4, seed=7), None),
+    ]
+    for x, gs in cases:
+        p_r, b_r, g_r = ref(F.nvfp4_quantize, x, global_scale=gs)
+        xk, gk = x.to(KDEV), g_r.to(KDEV)
+        p_k, b_k = nvfp4_quantize_triton(xk, gk, packed_compare="hset2")
+        assert_bits_equal(p_k.cpu(), p_r, f"hset2 packed {dtype}")
+        assert_bits_equal(b_k.cpu(), b_r, f"hset2 block scales {dtype}")
+        f_k = nvfp4_fake_quantize_triton(xk, gk, packed_compare="hset2")
+        assert_bits_equal(f_k.cpu(), ref(F.nvfp4_fake_quantize, x, global_scale=gs), f"hset2 fake {dtype}")
+    with pytest.raises(ValueError, match="packed_compare"):
+        nvfp4_quantize_triton(x.to(KDEV), gk, packed_compare="vset2")
+
+
+@needs_kernel
+def test_kernels_misaligned_storage():
+    """Views whose data pointer is not 4- / 8-byte aligned (the NVFP4 kernels read and write
+    int32 / int64 views): copied, same bits as the reference."""
+    base = random_rows((2 + 4 * 64,), torch.bfloat16, lo=-3, hi=3, seed=31).to(KDEV)
+    x = base[1 : 1 + 4 * 64].view(4, 64)
+    assert x.data_ptr() % 4 == 2
+    check_all_nvfp4(x.cpu(), "aligned copy")
+    p_k, b_k, g_k = kernel(F.nvfp4_quantize, x)
+    p_r, b_r, g_r = ref(F.nvfp4_quantize, x.cpu())
+    assert_bits_equal(p_k, p_r, "misaligned packed")
+    assert_bits_equal(b_k, b_r, "misaligned block scales")
+    assert_bits_equal(kernel(F.nvfp4_fake_quantize, x), ref(F.nvfp4_fake_quantize, x.cpu()), "misaligned fake")
+    buf = torch.zeros(p_r.numel() + 4, dtype=torch.uint8, device=KDEV)
+    pm = buf[4:].view(p_r.shape)
+    pm.copy_(p_r.to(KDEV))
+    assert pm.data_ptr() % 8 == 4
+    for od in OUT_DTYPES:
+        k, r = kernel(F.nvfp4_dequantize, pm, b_r, g_r, od), ref(F.nvfp4_dequantize, p_r, b_r, g_r, od)
+        assert_bits_equal(k, r, f"misaligned deq {od}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_amax_scale_kernel(dtype):
+    """nvfp4_amax_scale_triton == (amax(|x|), nvfp4_global_scale_ref(x)) bit for bit, including
+    subnormal-only and empty tensors, sizes that do not fill the last program, and NaN / inf."""
+    from msakit.quant.formats.triton import nvfp4_amax_scale_triton
+
+    xs = [
+        random_rows((7, 96), dtype, seed=40),
+        extreme_values(dtype),
+        subnormal_values(dtype)[2:],
+        torch.zeros(3, 16, dtype=dtype),
+        -torch.zeros(0, 16, dtype=dtype),
+        random_rows((5, 33), dtype, seed=41),
+    ]
+    for x in xs:
+        for block in (64, 16384):
+            amax, gs = nvfp4_amax_scale_triton(x.to(KDEV), block=block)
+            want = x.abs().amax().float() if x.numel() else torch.zeros(())
+            assert_bits_equal(amax.cpu(), want, f"amax {tuple(x.shape)}")
+            assert_bits_equal(gs.cpu(), R.nvfp4_global_scale_ref(x), f"gs {tuple(x.shape)}")
+    for bad in (float("inf"), float("nan")):
+        x = random_rows((4, 32), dtype, seed=42)
+        x[2, 5] = bad
+        amax, _ = nvfp4_amax_scale_triton(x.to(KDEV))
+        assert (torch.isinf if bad == float("inf") else torch.isnan)(amax.cpu())
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_float64_division_by_six_is_exact_for_16bit(dtype):
+    """The NVFP4 kernels compute RN32(amax / 6) for a bfloat16 / float16 amax as
+    RN32(RN64(amax * RN64(1/6))): exhaustively equal to the float32 division."""
+    a = torch.arange(1, 0x7F80 if dtype == torch.bfloat16 else 0x7C00, dtype=torch.int16).view(dtype).float()
+    want = a / torch.tensor(6.0)
+    got = (a.double() * (1.0 / 6.0)).float()
+    assert_bits_equal(got, want, f"{dtype} amax / 6")
+
+
+def test_float64_reciprocal_division():
+    """RN32(u / g) == RN32(RN64(u * RN64(1/g))) for float32 u, g (the block scale's division by
+    the global scale), on random pairs, pairs with exact quotients, and subnormal operands."""
+    g = torch.Generator().manual_seed(32)
+    u = (torch.rand(200000, generator=g, dtype=torch.float64) * 120 - 60).exp2().float()
+    d = (torch.rand(200000, generator=g, dtype=torch.float64) * 120 - 60).exp2().float()
+    small = torch.randint(1, 1 << 12, (20000,), generator=g).float()
+    u = torch.cat([u, small * 3, small, torch.tensor([2.0**-149, 3 * 2.0**-149, 2.0**-130])])
+    d = torch.cat([d, small, small / 8, torch.tensor([2.0**-149, 2.0**-148, 7 * 2.0**-140])])
+    want = u / d
+    got = (u.double() * (1.0 / d.double())).float()
+    normal = want.abs() >= torch.finfo(torch.float32).tiny  # below: block scale 0 either way
+    assert_bits_equal(got[normal], want[normal], "u / gs")
+
+
 def _property_body(lead, n32, lo, span, dtype, seed):
     """Random leading shape, K, dtype and per-row scales 10^U(lo, lo + span): kernel == reference."""
     shape = (*lead, 32 * n32)

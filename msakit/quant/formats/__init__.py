@@ -252,6 +252,11 @@ def mxfp8_dequantize(
 
 def _amax_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(amax(|x|) as float32 0-d, amax / 2688): one read of x (aminmax), true division."""
+    if x.is_cuda and x.numel():
+        # one fused read in Triton: torch.aminmax reached ~1.85 TB/s here (bit-identical result)
+        from .triton import nvfp4_amax_scale_triton
+
+        return nvfp4_amax_scale_triton(x)
     if x.numel() == 0:
         amax = torch.zeros((), dtype=torch.float32, device=x.device)
     else:
