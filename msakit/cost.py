@@ -209,15 +209,7 @@ class ModelShape:
         if isinstance(source, Mapping):
             raw: Mapping[str, Any] = source
         else:
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
-                raise FileNotFoundError(f"config not found: {path}")
-            try:
-                raw = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from None
+            raw, path = read_config_json(source)
             name = str(path)
         if not isinstance(raw, Mapping):
             raise ValueError("config must be a JSON object")
@@ -233,6 +225,73 @@ _FIELD_NAMES = {
     "block_size": "index_block_size / sparse_block_size",
     "topk_blocks": "index_topk_blocks / sparse_topk_blocks",
 }
+
+
+def read_config_json(source: str | os.PathLike[str], what: str = "config") -> tuple[Any, Path]:
+    """The parsed JSON of a folder's ``config.json`` (or the file itself), and the file's path.
+
+    FileNotFoundError ("<what> not found: PATH") for a missing file, ValueError for bad JSON.
+    """
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return raw, path
+
+
+def write_config_json(path: str | os.PathLike[str], d: Mapping[str, Any]) -> Path:
+    """Write `d` as config.json into a folder (created) or to a *.json path; returns the file."""
+    p = Path(path)
+    if p.suffix != ".json":
+        p.mkdir(parents=True, exist_ok=True)
+        p = p / "config.json"
+    else:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
+    return p
+
+
+def load_config_file(source: str | os.PathLike[str], parse: Any, what: str = "config") -> Any:
+    """``parse(raw)`` on a config file read by read_config_json; its ValueErrors name the file."""
+    raw, path = read_config_json(source, what)
+    try:
+        return parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _get(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    """cfg[key], or default where it is missing or null."""
+    v = cfg.get(key)
+    return default if v is None else v
+
+
+def _check_fixed(cfg: Mapping[str, Any], fixed: Sequence[tuple[str, bool]]) -> None:
+    """ValueError for any boolean field whose value (default: the wanted one) is not the wanted one."""
+    for key, want in fixed:
+        v = _get(cfg, key, want)
+        if bool(v) != want:
+            raise ValueError(f"config field '{key}'={v!r} is unsupported (only {want} is implemented)")
+
+
+def _rotary_dim(cfg: Mapping[str, Any], head_dim: int, *, check: bool = False) -> int:
+    """rotary_dim, else partial_rotary_factor x head_dim, else head_dim // 2.
+
+    With check, both given must agree (ValueError otherwise).
+    """
+    rotary = cfg.get("rotary_dim")
+    prf = cfg.get("partial_rotary_factor")
+    if rotary is None:
+        rotary = int(round(head_dim * float(prf))) if prf is not None else head_dim // 2
+    elif check and prf is not None and int(round(head_dim * float(prf))) != rotary:
+        raise ValueError(f"inconsistent config: rotary_dim={rotary} but partial_rotary_factor={prf} x "
+                         f"head_dim={head_dim} = {head_dim * float(prf):g}")
+    return rotary
 
 
 def _int(cfg: Mapping[str, Any], key: str, default: int | None = None,

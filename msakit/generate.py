@@ -152,6 +152,19 @@ def _loop(
     return tokens
 
 
+def _run_eval(model: Any, make_step: Callable[[], Callable[[torch.Tensor | None], torch.Tensor]],
+              input_ids: torch.Tensor, max_new_tokens: int, *loop_args: Any):
+    """Check input_ids, then run _loop with make_step()'s step in eval mode (training mode restored)."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+    was_training = model.training
+    model.eval()
+    try:
+        return _loop(make_step(), input_ids, max_new_tokens, *loop_args)
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def generate(
     model: Any,
@@ -169,20 +182,16 @@ def generate(
     """Cached generation for models with `forward_cached` (M3ForCausalLM) -> tokens [B, T + n]
     (and the per-step logits [B, n, V] with return_logits).  Stops early once every row has
     produced an eos token (finished rows repeat the first eos id)."""
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
-    was_training = model.training
-    model.eval()
-    try:
+    def make_step() -> Callable[[torch.Tensor | None], torch.Tensor]:
         cache = KVCache(model.config.num_hidden_layers, input_ids.shape[1] + max(max_new_tokens, 1))
 
         def step(new: torch.Tensor | None) -> torch.Tensor:
             return model.forward_cached(input_ids if new is None else new, cache)
 
-        return _loop(step, input_ids, max_new_tokens, temperature, top_k, top_p, generator, streamer,
+        return step
+
+    return _run_eval(model, make_step, input_ids, max_new_tokens, temperature, top_k, top_p, generator, streamer,
                      eos_token_id, return_logits)
-    finally:
-        model.train(was_training)
 
 
 @torch.no_grad()
@@ -201,19 +210,16 @@ def generate_uncached(
 ):
     """The same loop recomputing the whole sequence each step (any model whose forward(input_ids,
     compute_kl=False) returns .logits); the reference the cached path is tested against."""
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
-    was_training = model.training
-    model.eval()
-    seq = [input_ids]
-    try:
+    def make_step() -> Callable[[torch.Tensor | None], torch.Tensor]:
+        seq = [input_ids]
+
         def step(new: torch.Tensor | None) -> torch.Tensor:
             if new is not None:
                 seq.append(new)
             ids = torch.cat(seq, dim=1)
             return model(ids, compute_kl=False).logits[:, -1]
 
-        return _loop(step, input_ids, max_new_tokens, temperature, top_k, top_p, generator, streamer,
+        return step
+
+    return _run_eval(model, make_step, input_ids, max_new_tokens, temperature, top_k, top_p, generator, streamer,
                      eos_token_id, return_logits)
-    finally:
-        model.train(was_training)

@@ -64,17 +64,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _target_folder(path: Path) -> Path:
-    from msakit.train import checkpoint as ckpt_mod
+    from msakit.train.run import _model_folder
 
-    if not path.exists():
-        raise FileNotFoundError(f"target not found: {path}")
-    ck = ckpt_mod.find_checkpoint(path)
-    if ck is not None:
-        ckpt_mod.verify_checkpoint(ck)
-        return ck
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint or config.json in {path}")
-    return path
+    return _model_folder(path, "target")
 
 
 def _load_target(folder: Path, device):

@@ -14,14 +14,13 @@ checkpoints use; `from_pretrained` reads it back to an equal `M3Config`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from msakit.cost import ModelShape
+from msakit.cost import ModelShape, _check_fixed, _get, _rotary_dim, load_config_file, write_config_json
 
 __all__ = ["M3Config", "M3_MODEL_TYPES", "PRESETS"]
 
@@ -158,19 +157,7 @@ class M3Config:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> "M3Config":
         """From a folder holding config.json or the file itself."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.is_file():
-            raise FileNotFoundError(f"config not found: {p}")
-        try:
-            raw = json.loads(p.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON ({e})") from None
-        try:
-            return cls.from_dict(raw)
-        except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
+        return load_config_file(path, cls.from_dict)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "M3Config":
@@ -183,18 +170,14 @@ class M3Config:
         L = shape.num_layers
 
         def get(key: str, default: Any) -> Any:
-            v = cfg.get(key)
-            return default if v is None else v
+            return _get(cfg, key, default)
 
         _check_value(cfg, "scoring_func", ("sigmoid",), "sigmoid")
         act = get("hidden_act", "swigluoai")
         if act not in _SWIGLU_ACTS:
             raise ValueError(f"config field 'hidden_act' is {act!r}; only 'swigluoai' (SwiGLU-OAI) is supported")
-        for key, want in (("use_gemma_norm", True), ("use_qk_norm", True), ("attention_output_gate", False),
-                          ("tie_word_embeddings", False)):
-            v = get(key, want)
-            if bool(v) != want:
-                raise ValueError(f"config field '{key}'={v!r} is unsupported (only {want} is implemented)")
+        _check_fixed(cfg, (("use_gemma_norm", True), ("use_qk_norm", True), ("attention_output_gate", False),
+                           ("tie_word_embeddings", False)))
         _check_value(cfg, "qk_norm_type", ("per_head",), "per_head")
         score = legacy.get("sparse_score_type", cfg.get("index_score_type", "max"))
         if score != "max":
@@ -222,13 +205,7 @@ class M3Config:
             raise ValueError(f"config field 'rope_scaling / rope_parameters.rope_type'={rot_type!r} is unsupported "
                              "(plain RoPE only)")
         head_dim = shape.head_dim
-        rotary = cfg.get("rotary_dim")
-        prf = cfg.get("partial_rotary_factor")
-        if rotary is None:
-            rotary = int(round(head_dim * float(prf))) if prf is not None else head_dim // 2
-        elif prf is not None and int(round(head_dim * float(prf))) != rotary:
-            raise ValueError(f"inconsistent config: rotary_dim={rotary} but partial_rotary_factor={prf} x "
-                             f"head_dim={head_dim} = {head_dim * float(prf):g}")
+        rotary = _rotary_dim(cfg, head_dim, check=True)
         tok = {k: cfg.get(k, raw.get(k)) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         dtype = cfg.get("torch_dtype", cfg.get("dtype"))
         any_moe = bool(shape.num_moe_layers)
@@ -328,14 +305,7 @@ class M3Config:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write config.json into a folder (created) or to a *.json path; returns the file."""
-        p = Path(path)
-        if p.suffix != ".json":
-            p.mkdir(parents=True, exist_ok=True)
-            p = p / "config.json"
-        else:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        return p
+        return write_config_json(path, self.to_dict())
 
     save_pretrained = save
 

@@ -21,7 +21,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -178,52 +178,64 @@ def _few(names: Iterable[str], n: int = 6) -> str:
     return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
 
 
+def _match_names(files: Mapping[str, list[str]], targets: Mapping[str, Any]) -> tuple[set[str], list[str]]:
+    """(model names no checkpoint tensor fills, checkpoint names the model has no place for)."""
+    found: set[str] = set()
+    unexpected: list[str] = []
+    for names in files.values():
+        for raw in names:
+            name = _normalise(raw)
+            if name is None:
+                continue
+            if name in targets:
+                found.add(name)
+            else:
+                unexpected.append(raw)
+    return set(targets) - found, unexpected
+
+
+def _name_problems(missing: Iterable[str], unexpected: Iterable[str]) -> list[str]:
+    problems = []
+    if missing:
+        problems.append(f"missing {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_few(unexpected)}")
+    return problems
+
+
+def _targets_in_files(files: Mapping[str, list[str]], targets: Mapping[str, Any]) -> Iterator[tuple[Any, str, str]]:
+    """(open safetensors file, checkpoint name, model name) for each checkpoint tensor the model takes."""
+    from safetensors import safe_open
+
+    for fpath, names in files.items():
+        with safe_open(fpath, framework="pt") as f:
+            for raw in names:
+                name = _normalise(raw)
+                if name in targets:
+                    yield f, raw, name
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """Copy a checkpoint's tensors into the model's parameters (dtype converted, in place).
 
     Raises ValueError listing missing, unexpected or mis-shaped tensors before copying any.
     """
-    from safetensors import safe_open
-
     files = weight_files(folder)
     targets: dict[str, torch.Tensor] = dict(hf_state_items(model))
-    found: dict[str, tuple[str, str]] = {}  # model name -> (file, checkpoint name)
-    unexpected: list[str] = []
-    for fpath, names in files.items():
-        for raw in names:
-            name = _normalise(raw)
-            if name is None:
-                continue
-            if name in targets:
-                found[name] = (fpath, raw)
-            else:
-                unexpected.append(raw)
-    missing = set(targets) - set(found)
-    problems = []
-    if missing:
-        problems.append(f"missing {_few(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_few(unexpected)}")
+    missing, unexpected = _match_names(files, targets)
+    problems = _name_problems(missing, unexpected)
     bad_shape = []
-    for fpath, names in files.items():
-        with safe_open(fpath, framework="pt") as f:
-            for raw in names:
-                name = _normalise(raw)
-                if name in targets:
-                    shape = tuple(f.get_slice(raw).get_shape())
-                    if shape != tuple(targets[name].shape):
-                        bad_shape.append(f"{raw} {list(shape)} (model {list(targets[name].shape)})")
+    for f, raw, name in _targets_in_files(files, targets):
+        shape = tuple(f.get_slice(raw).get_shape())
+        if shape != tuple(targets[name].shape):
+            bad_shape.append(f"{raw} {list(shape)} (model {list(targets[name].shape)})")
     if bad_shape:
         problems.append(f"shape mismatch {_few(bad_shape, 4)}")
     if problems:
         raise ValueError(f"checkpoint {folder} does not match the model: " + "; ".join(problems))
-    for fpath, names in files.items():
-        with safe_open(fpath, framework="pt") as f:
-            for raw in names:
-                name = _normalise(raw)
-                if name in targets:
-                    targets[name].copy_(f.get_tensor(raw))
+    for f, raw, name in _targets_in_files(files, targets):
+        targets[name].copy_(f.get_tensor(raw))
 
 
 def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> None:

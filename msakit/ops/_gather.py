@@ -4,6 +4,8 @@ a row of `block_idx` selects.  Only the references use this file; the Triton ker
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # Target bytes for one chunk's largest intermediate; keeps T = 32K references within a few GiB.
@@ -13,6 +15,11 @@ CHUNK_BYTES = 1 << 28
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 stays float64 (for gradcheck); everything else computes in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def default_scale(scale: float | None, dim: int) -> float:
+    """A softmax scale as given, else 1 / sqrt(dim)."""
+    return scale if scale is not None else 1.0 / math.sqrt(dim)
 
 
 def chunk_rows(total: int, bytes_per_row: int) -> int:

@@ -277,67 +277,41 @@ _EXACT = (torch.uint8, torch.float8_e4m3fn)
 
 @torch.no_grad()
 def _load_tensors(model: nn.Module, folder: Path) -> None:
-    from safetensors import safe_open
-
-    from msakit.models.io import _few, _normalise, weight_files
+    from msakit.models.io import _few, _match_names, _name_problems, _targets_in_files, weight_files
 
     files = weight_files(folder)
     targets = dict(_target_items(model))
-    found: dict[str, tuple[str, str]] = {}
-    unexpected: list[str] = []
-    for fpath, names in files.items():
-        for raw in names:
-            name = _normalise(raw)
-            if name is None:
-                continue
-            if name in targets:
-                found[name] = (fpath, raw)
-            else:
-                unexpected.append(raw)
-    problems = []
-    missing = set(targets) - set(found)
+    missing, unexpected = _match_names(files, targets)
     for name in [n for n in missing if n.endswith(".input_scale")]:  # weight-only exports: unused on Hopper
         targets[name].fill_(1.0)
         missing.discard(name)
-    if missing:
-        problems.append(f"missing {_few(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_few(unexpected)}")
+    problems = _name_problems(missing, unexpected)
     bad = []
-    for fpath, names in files.items():
-        with safe_open(fpath, framework="pt") as f:
-            for raw in names:
-                name = _normalise(raw)
-                if name not in targets:
-                    continue
-                tgt = targets[name]
-                sl = f.get_slice(raw)
-                shape = tuple(sl.get_shape())
-                if shape != tuple(tgt.shape) and not (tgt.dim() == 0 and shape in ((1,), ())):
-                    bad.append(f"{raw} shape {list(shape)} (expected {list(tgt.shape)})")
-                    continue
-                dt = sl.get_dtype()
-                if tgt.dtype in _EXACT:
-                    ok = {torch.uint8: ("U8",) + (("F8_E8M0",) if name.endswith("weight_scale_inv") else ()),
-                          torch.float8_e4m3fn: ("F8_E4M3",)}[tgt.dtype]
-                    if dt not in ok:
-                        bad.append(f"{raw} dtype {dt} (expected {ok[0]})")
-                elif dt not in ("F32", "BF16", "F16", "F64"):
-                    bad.append(f"{raw} dtype {dt} (expected a float tensor)")
+    for f, raw, name in _targets_in_files(files, targets):
+        tgt = targets[name]
+        sl = f.get_slice(raw)
+        shape = tuple(sl.get_shape())
+        if shape != tuple(tgt.shape) and not (tgt.dim() == 0 and shape in ((1,), ())):
+            bad.append(f"{raw} shape {list(shape)} (expected {list(tgt.shape)})")
+            continue
+        dt = sl.get_dtype()
+        if tgt.dtype in _EXACT:
+            ok = {torch.uint8: ("U8",) + (("F8_E8M0",) if name.endswith("weight_scale_inv") else ()),
+                  torch.float8_e4m3fn: ("F8_E4M3",)}[tgt.dtype]
+            if dt not in ok:
+                bad.append(f"{raw} dtype {dt} (expected {ok[0]})")
+        elif dt not in ("F32", "BF16", "F16", "F64"):
+            bad.append(f"{raw} dtype {dt} (expected a float tensor)")
     if bad:
         problems.append(f"mismatched {_few(bad, 4)}")
     if problems:
         raise ValueError(f"checkpoint {folder} does not match its quantization_config: " + "; ".join(problems))
-    for fpath, names in files.items():
-        with safe_open(fpath, framework="pt") as f:
-            for raw in names:
-                name = _normalise(raw)
-                if name in targets:
-                    src = f.get_tensor(raw)
-                    if _E8M0 is not None and src.dtype == _E8M0:
-                        src = src.view(torch.uint8)
-                    tgt = targets[name]
-                    tgt.copy_(src.reshape(tgt.shape) if tgt.dim() == 0 else src)
+    for f, raw, name in _targets_in_files(files, targets):
+        src = f.get_tensor(raw)
+        if _E8M0 is not None and src.dtype == _E8M0:
+            src = src.view(torch.uint8)
+        tgt = targets[name]
+        tgt.copy_(src.reshape(tgt.shape) if tgt.dim() == 0 else src)
 
 
 def load_quantized(path: str | Any, *, device: Any = None, dtype: torch.dtype | None = None, mode: str = "sparse",

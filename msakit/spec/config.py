@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from msakit.cost import _int as _cfg_int  # the cost model's integer-field reader (one parser for ints)
+from msakit.cost import _check_fixed, _get, _rotary_dim, load_config_file, write_config_json
 
 __all__ = ["DSparkConfig", "DRAFTER_PRESETS", "spread_taps"]
 
@@ -211,19 +212,7 @@ class DSparkConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> "DSparkConfig":
         """From a folder holding config.json or the file itself."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.is_file():
-            raise FileNotFoundError(f"drafter config not found: {p}")
-        try:
-            raw = json.loads(p.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON ({e})") from None
-        try:
-            return cls.from_dict(raw)
-        except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
+        return load_config_file(path, cls.from_dict, "drafter config")
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "DSparkConfig":
@@ -235,15 +224,11 @@ class DSparkConfig:
             raise ValueError("config field 'text_config' must be an object")
 
         def get(key: str, default: Any) -> Any:
-            v = cfg.get(key)
-            return default if v is None else v
+            return _get(cfg, key, default)
 
         L = _cfg_int(cfg, "num_hidden_layers")
-        for key, want in (("use_gemma_norm", True), ("dspark_hybrid_context_fusion", False),
-                          ("dspark_use_dense_ffn", True)):
-            v = get(key, want)
-            if bool(v) != want:
-                raise ValueError(f"config field '{key}'={v!r} is unsupported (only {want} is implemented)")
+        _check_fixed(cfg, (("use_gemma_norm", True), ("dspark_hybrid_context_fusion", False),
+                           ("dspark_use_dense_ffn", True)))
         act = get("hidden_act", "swigluoai")
         if act not in ("swigluoai", "silu"):
             raise ValueError(f"config field 'hidden_act' is {act!r}; only 'swigluoai' (SwiGLU-OAI) is supported")
@@ -283,10 +268,7 @@ class DSparkConfig:
         if window is None:  # full attention over the context: a window as long as any context
             window = int(max_pos) if max_pos else 1 << 30
         head_dim = _cfg_int(cfg, "head_dim")
-        rotary = cfg.get("rotary_dim")
-        prf = cfg.get("partial_rotary_factor")
-        if rotary is None:
-            rotary = int(round(head_dim * float(prf))) if prf is not None else head_dim // 2
+        rotary = _rotary_dim(cfg, head_dim)
         taps = cfg.get("dspark_target_layer_ids")
         if taps is None:
             raise ValueError("config is missing required field 'dspark_target_layer_ids'")
@@ -361,14 +343,7 @@ class DSparkConfig:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write config.json into a folder (created) or to a *.json path; returns the file."""
-        p = Path(path)
-        if p.suffix != ".json":
-            p.mkdir(parents=True, exist_ok=True)
-            p = p / "config.json"
-        else:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        return p
+        return write_config_json(path, self.to_dict())
 
     save_pretrained = save
 

@@ -30,11 +30,9 @@ progress bar, JSONL log (``metrics.jsonl``), atomic checkpoints through `msakit.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -45,12 +43,11 @@ from msakit.spec.drafter import DSparkDrafter
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.data import IGNORE, Batch, PackedRows, RowLoader, eval_batches
 from msakit.train.metrics import autocast_for
-from msakit.train.trainer import resolve_device
+from msakit.train.trainer import (METRICS_FILE, append_metrics, config_from_dict, make_adamw, optimizer_params,
+                                   optimizer_step, progress_bar, resolve_device, restore_optimizer, warmup_cosine)
 
 __all__ = ["DrafterTrainConfig", "DrafterTrainer", "dspark_loss", "sample_anchors", "regenerate_rows",
            "regenerate_pool", "mix_streams", "METRICS_FILE"]
-
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -99,16 +96,11 @@ class DrafterTrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterTrainConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return config_from_dict(cls, d)
 
 
 def lr_at(cfg: DrafterTrainConfig, step: int) -> float:
-    warm = int(round(cfg.warmup_frac * cfg.steps))
-    if warm and step < warm:
-        return cfg.lr * (step + 1) / warm
-    t = min(1.0, (step - warm) / max(1, cfg.steps - warm))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return warmup_cosine(cfg.lr, cfg.min_lr_ratio, int(round(cfg.warmup_frac * cfg.steps)), cfg.steps, step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,13 +329,9 @@ class DrafterTrainer:
             raise ValueError(f"context ({T}) must be at least block_size + 2 = {drafter.config.block_size + 2}")
         self.loader = RowLoader(train_rows, cfg.batch_size, seed=cfg.seed, shuffle=True)
         self._val = eval_batches(val_rows, cfg.batch_size, cfg.eval_rows) if val_rows is not None and cfg.eval_rows else []
-        params = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
-        decay = [p for n, p in params if p.dim() >= 2]
-        no_decay = [p for n, p in params if p.dim() < 2]
-        self.param_names = [n for n, p in params if p.dim() >= 2] + [n for n, p in params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=self.device.type == "cuda")
+        self.optimizer, self.param_names = make_adamw(
+            self.drafter.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), eps=1e-8,
+            device=self.device)
         self.step = 0
         self.history: list[dict] = []
         self.last_eval: dict | None = None
@@ -383,13 +371,10 @@ class DrafterTrainer:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"drafter loss is not finite at step {self.step}")
         loss.backward()
-        params = [p for grp in self.optimizer.param_groups for p in grp["params"]]
+        params = optimizer_params(self.optimizer)
         gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else torch.zeros(())
         lr = lr_at(cfg, self.step)
-        for grp in self.optimizer.param_groups:
-            grp["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_step(self.optimizer, lr)
         self.step += 1
         rec = {"step": self.step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(gn), **met}
         self.history.append(rec)
@@ -429,9 +414,7 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ logging / checkpoints
     def _log(self, record: dict) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / METRICS_FILE, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+        append_metrics(self.out_dir, record)
 
     def _interval(self, recent: list[dict]) -> dict:
         avg = lambda k: sum(r[k] for r in recent) / len(recent)  # noqa: E731
@@ -466,12 +449,7 @@ class DrafterTrainer:
         with torch.no_grad():
             for k, v in own.items():
                 v.copy_(sd[k])
-        if ot is not None:
-            ckpt_mod.optimizer_from_files(self.optimizer, self.param_names, ot, os_)
-            for st in self.optimizer.state.values():
-                for k, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        st[k] = v.to(self.device)
+        restore_optimizer(self.optimizer, self.param_names, ot, os_, self.device)
         self.loader.load_state_dict(state["loader"])
         ckpt_mod.set_rng_state(rng, state["rng"])
         self.step = int(state["step"])
@@ -485,13 +463,9 @@ class DrafterTrainer:
         end = cfg.steps if until is None else min(until, cfg.steps)
         start_hist, start_step = len(self.history), self.step
         t_start = time.time()
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=end, initial=self.step, desc="train-drafter", unit="step", dynamic_ncols=True, leave=False)
         recent: list[dict] = []
-        try:
+        with progress_bar(self.progress, total=end, initial=self.step, desc="train-drafter", out_dir=self.out_dir,
+                          step=lambda: self.step) as bar:
             while self.step < end:
                 rec = self.train_step()
                 recent.append(rec)
@@ -514,14 +488,4 @@ class DrafterTrainer:
                     self.save()
                 for cb in self.callbacks:
                     cb(self, rec)
-        except KeyboardInterrupt:
-            if bar is not None:
-                bar.close()
-                bar = None
-            last = ckpt_mod.find_checkpoint(self.out_dir)
-            print(f"\ninterrupted at step {self.step}; last checkpoint: {last if last else 'none'}", flush=True)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
         return self.history[start_hist:]

@@ -263,12 +263,13 @@ def _check_vocab(model, tok) -> None:
         raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary is {V}")
 
 
-def _model_folder(path: Path) -> Path:
-    """A checkpoint / run folder (verified against its manifest) or a plain model folder."""
+def _model_folder(path: Path, what: str = "model") -> Path:
+    """A checkpoint / run folder (verified against its manifest) or a plain model folder; `what`
+    names it in the error for a missing path."""
     from msakit.train import checkpoint as ckpt_mod
 
     if not path.exists():
-        raise FileNotFoundError(f"model not found: {path}")
+        raise FileNotFoundError(f"{what} not found: {path}")
     ck = ckpt_mod.find_checkpoint(path)
     if ck is not None:
         ckpt_mod.verify_checkpoint(ck)

@@ -22,7 +22,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -74,17 +75,26 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return config_from_dict(cls, d)
+
+
+def config_from_dict(cls: Any, d: dict) -> Any:
+    """A config dataclass from a dict, ignoring keys that are not its fields."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def warmup_cosine(lr: float, min_lr_ratio: float, warmup: int, steps: int, step: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine from lr down to lr * min_lr_ratio at `steps`."""
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up over lr_warmup_steps, then cosine from lr down to lr * min_lr_ratio at cfg.steps."""
-    if cfg.lr_warmup_steps and step < cfg.lr_warmup_steps:
-        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
-    span = max(1, cfg.steps - cfg.lr_warmup_steps)
-    t = min(1.0, (step - cfg.lr_warmup_steps) / span)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return warmup_cosine(cfg.lr, cfg.min_lr_ratio, cfg.lr_warmup_steps, cfg.steps, step)
 
 
 def mode_at(cfg: TrainConfig, step: int) -> str:
@@ -98,6 +108,75 @@ def resolve_device(name: str | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return dev
+
+
+def make_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], *, lr: float, weight_decay: float,
+               betas: tuple[float, float], eps: float, device: torch.device) -> tuple[torch.optim.AdamW, list[str]]:
+    """AdamW over the trainable parameters, matrices decayed and the rest not, and the parameter
+    names in the optimizer's order (what the checkpoint mapping needs)."""
+    params = [(n, p) for n, p in named_params if p.requires_grad]
+    decay = [p for n, p in params if p.dim() >= 2]
+    no_decay = [p for n, p in params if p.dim() < 2]
+    names = [n for n, p in params if p.dim() >= 2] + [n for n, p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=betas, eps=eps, foreach=device.type == "cuda")
+    return opt, names
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's lr, step, and clear the gradients."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def append_metrics(out_dir: Path, record: dict) -> None:
+    """One JSON line appended to out_dir / metrics.jsonl."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / METRICS_FILE, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record, allow_nan=True) + "\n")
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, param_names: list[str], ot: Any, os_: Any,
+                      device: torch.device) -> None:
+    """Load a checkpoint's optimizer files (when it has them) and move the moments to `device`."""
+    if ot is None:
+        return
+    ckpt_mod.optimizer_from_files(optimizer, param_names, ot, os_)
+    for st in optimizer.state.values():  # move moments beside their parameters
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and k != "step":
+                st[k] = v.to(device)
+
+
+@contextmanager
+def progress_bar(enabled: bool, *, total: int, initial: int, desc: str, out_dir: Path,
+                 step: Callable[[], int]) -> Iterator[Any]:
+    """A tqdm bar (None when not enabled) for a training loop, closed on exit; on Ctrl-C it says
+    the step and the last checkpoint, then re-raises."""
+    bar = None
+    if enabled:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, leave=False)
+    try:
+        yield bar
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+            bar = None
+        last = ckpt_mod.find_checkpoint(out_dir)
+        print(f"\ninterrupted at step {step()}; last checkpoint: {last if last else 'none'}", flush=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class Trainer:
@@ -129,16 +208,10 @@ class Trainer:
         self.val_rows = val_rows
         self.loader = RowLoader(train_rows, cfg.batch_size, seed=cfg.seed, shuffle=True)
         self._val = eval_batches(val_rows, cfg.batch_size, cfg.eval_rows) if val_rows is not None else []
-        params = [p for n, p in model.named_parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        # param order inside the optimizer must match param_names for the checkpoint mapping
-        self.param_names = [n for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2] + \
-                           [n for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=self.device.type == "cuda",
-        )
+        # param order inside the optimizer matches param_names for the checkpoint mapping
+        self.optimizer, self.param_names = make_adamw(
+            model.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps, device=self.device)
         self.step = 0
         self.history: list[dict] = []  # per-step records (loss, kl, lr, ...)
         self.last_eval: dict | None = None
@@ -164,14 +237,11 @@ class Trainer:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is not finite at step {self.step} ({float(lm):.4g} LM, {float(kl):.4g} KL)")
         loss.backward()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = optimizer_params(self.optimizer)
         gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else \
             torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         lr = lr_at(cfg, self.step)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_step(self.optimizer, lr)
         el = getattr(out, "expert_load", None)
         if el is not None and el.numel() and cfg.routing_bias_rate > 0:
             model.update_routing_bias(el.detach(), rate=cfg.routing_bias_rate)
@@ -194,9 +264,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging
     def _log(self, record: dict) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / METRICS_FILE, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, allow_nan=True) + "\n")
+        append_metrics(self.out_dir, record)
 
     def _interval_record(self, recent: list[dict]) -> dict:
         r = {
@@ -253,12 +321,7 @@ class Trainer:
             load_weights(ck)
         else:
             load_model_weights(self.model, ck)
-        if ot is not None:
-            ckpt_mod.optimizer_from_files(self.optimizer, self.param_names, ot, os_)
-            for st in self.optimizer.state.values():  # move moments beside their parameters
-                for k, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        st[k] = v.to(self.device)
+        restore_optimizer(self.optimizer, self.param_names, ot, os_, self.device)
         self.loader.load_state_dict(state["loader"])
         ckpt_mod.set_rng_state(rng, state["rng"])
         self.step = int(state["step"])
@@ -285,13 +348,9 @@ class Trainer:
         cfg = self.cfg
         end = cfg.steps if until is None else min(until, cfg.steps)
         start_hist = len(self.history)
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True, leave=False)
         recent: list[dict] = []
-        try:
+        with progress_bar(self.progress, total=cfg.steps, initial=self.step, desc="train", out_dir=self.out_dir,
+                          step=lambda: self.step) as bar:
             while self.step < end:
                 if deadline is not None and time.time() > deadline:
                     break
@@ -313,16 +372,6 @@ class Trainer:
                     self.save()
                 for cb in self.callbacks:
                     cb(self, rec)
-        except KeyboardInterrupt:
-            if bar is not None:
-                bar.close()
-                bar = None
-            last = ckpt_mod.find_checkpoint(self.out_dir)
-            print(f"\ninterrupted at step {self.step}; last checkpoint: {last if last else 'none'}", flush=True)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
         return self.history[start_hist:]
 
     def write_plots(self) -> None:

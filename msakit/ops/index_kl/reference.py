@@ -15,12 +15,10 @@ Also here: `index_kl_loss_varlen_reference` (documents packed along T, `cu_seqle
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .._gather import chunk_rows, compute_dtype, gather_tokens, masked_softmax_parts, selected_tokens
+from .._gather import chunk_rows, compute_dtype, default_scale, gather_tokens, masked_softmax_parts, selected_tokens
 
 
 def _chunk(q, k, q_idx, k_idx, bidx, row0: int, block_size: int, scale: float, iscale: float):
@@ -60,8 +58,8 @@ def index_kl_loss_reference(
     G = k.shape[2]
     Di = q_idx.shape[-1]
     K = block_idx.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    iscale = index_softmax_scale if index_softmax_scale is not None else 1.0 / math.sqrt(Di)
+    scale = default_scale(softmax_scale, D)
+    iscale = default_scale(index_softmax_scale, Di)
     L = K * block_size
     C = chunk_rows(T, B * G * L * (D + Di + Hq // G + 6) * 4)
     grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
@@ -131,7 +129,7 @@ def selected_lse_reference(
     B, T, Hq, D = q.shape
     G = k.shape[2]
     K = block_idx.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = default_scale(softmax_scale, D)
     if cu_seqlens is not None:
         cu = [int(x) for x in cu_seqlens.tolist()]
         out = torch.full((B, Hq, T), float("-inf"), device=q.device, dtype=compute_dtype(q))

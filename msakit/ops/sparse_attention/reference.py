@@ -12,12 +12,10 @@ the gathers); chunks are recomputed in backward so memory stays bounded.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .._gather import chunk_rows, compute_dtype, gather_tokens, masked_softmax_parts, selected_tokens
+from .._gather import chunk_rows, compute_dtype, default_scale, gather_tokens, masked_softmax_parts, selected_tokens
 
 
 def _chunk(q, k, v, bidx, row0: int, block_size: int, scale: float):
@@ -52,7 +50,7 @@ def sparse_attention_reference(
     B, T, Hq, D = q.shape
     G = k.shape[2]
     K = block_idx.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = default_scale(softmax_scale, D)
     L = K * block_size
     C = chunk_rows(T, B * G * L * (2 * D + 2 + Hq // G) * 4)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -88,7 +86,7 @@ def sparse_attention_varlen_reference(
     document is exactly `sparse_attention_reference` on its own slice.
     """
     D = q.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = default_scale(softmax_scale, D)
     bounds = [int(x) for x in cu_seqlens.tolist()]
     outs, lses = [], []
     for s, e in zip(bounds[:-1], bounds[1:]):
