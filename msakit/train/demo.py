@@ -29,12 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+# eval_rows == final_eval_rows: the validation curve and the final dense/sparse evaluation use the
+# same validation rows, so the plot compares like with like.
 PROFILES: dict[str, dict[str, Any]] = {
     "tiny": dict(context=512, vocab_size=4096, batch_size=4, lr=4e-3, lr_warmup_steps=10, kl_every=8,
-                 sparse_fraction=0.1, max_epochs=2.0, budget_s=180.0, max_steps=600, eval_rows=8, final_eval_rows=16,
+                 sparse_fraction=0.1, max_epochs=2.0, budget_s=180.0, max_steps=600, eval_rows=16, final_eval_rows=16,
                  recall_rows=2, sample_tokens=120, calib_steps=9, tokenizer_bytes=8 << 20),
     "small": dict(context=2048, vocab_size=8192, batch_size=16, lr=1.5e-3, lr_warmup_steps=50, kl_every=1,
-                  sparse_fraction=0.25, max_epochs=2.0, budget_s=600.0, max_steps=20000, eval_rows=64, final_eval_rows=256,
+                  sparse_fraction=0.25, max_epochs=2.0, budget_s=600.0, max_steps=20000, eval_rows=256, final_eval_rows=256,
                   recall_rows=4, sample_tokens=200, calib_steps=12, tokenizer_bytes=None),
 }
 BAR = 0.03
