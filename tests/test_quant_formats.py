@@ -537,6 +537,42 @@ def test_nvfp4_hset2_compare_variant(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_nvfp4_per_group_global_scale(dtype):
+    """A 1-D global_scale of G entries (rows split into G equal groups, each with its own scale)
+    equals the reference applied group by group, bit for bit: quantize, and fake-quantize into
+    every output dtype (one rounding of the float32 value).  G == 1 is the plain launcher; a G
+    that does not split the rows is an error."""
+    from msakit.quant.formats.triton import nvfp4_fake_quantize_triton, nvfp4_quantize_triton
+
+    G, N, K = 5, 6, 48  # 18 blocks per group: groups straddle the kernels' tiles
+    x = random_rows((G, N, K), dtype, lo=-4, hi=4, seed=41)
+    x[1, 2, :16] = 0
+    x[3] = extreme_values(dtype, n_blocks=N * K // 32, seed=4).reshape(N, K)
+    gs = torch.tensor([0.013, 2.0**-7, 0.0, 3.5e-3, 1.7], dtype=torch.float32)
+    gs[3] = F.nvfp4_global_scale(x[3])
+    xk, gk = x.to(KDEV), gs.to(KDEV)
+    for tile in (None, 64):  # the default tile, and 4 blocks per program
+        p_k, b_k = nvfp4_quantize_triton(xk, gk, tile_elems=tile)
+        for g in range(G):
+            p_r, b_r, _ = ref(F.nvfp4_quantize, x[g], global_scale=gs[g])
+            assert_bits_equal(p_k[g].cpu(), p_r, f"grouped packed {dtype} group {g}")
+            assert_bits_equal(b_k[g].cpu(), b_r, f"grouped block scales {dtype} group {g}")
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            f_k = nvfp4_fake_quantize_triton(xk, gk, out_dtype=out_dtype, tile_elems=tile).cpu()
+            for g in range(G):
+                want = ref(F.nvfp4_fake_quantize, x[g].float(), global_scale=gs[g]).to(out_dtype)
+                assert_bits_equal(f_k[g], want, f"grouped fake {dtype}->{out_dtype} group {g}")
+    # rows 2D [G * N, K] split the same way; one entry is the plain (scalar) launcher
+    f2 = nvfp4_fake_quantize_triton(xk.reshape(G * N, K), gk).cpu()
+    assert_bits_equal(f2, nvfp4_fake_quantize_triton(xk, gk).cpu().reshape(G * N, K), "2-D rows")
+    assert_bits_equal(nvfp4_fake_quantize_triton(xk, gk[1:2]).cpu(),
+                      ref(F.nvfp4_fake_quantize, x, global_scale=gs[1]), "one-entry scale")  # fmt: skip
+    with pytest.raises(ValueError, match="equal groups"):
+        nvfp4_fake_quantize_triton(xk, gk[:4])
+
+
+@needs_kernel
 def test_kernels_misaligned_storage():
     """Views whose data pointer is not 4- / 8-byte aligned (the NVFP4 kernels read and write
     int32 / int64 views): copied, same bits as the reference."""

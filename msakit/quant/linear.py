@@ -153,9 +153,9 @@ def nvfp4_quantize_grouped(
     `nvfp4_quantize(x[i], global_scale=global_scales[i])` for every i; one kernel launch."""
     xg, gs = _groups(x, global_scales)
     if _use_triton("nvfp4_quantize", backend, x.device):
-        from ._grouped_kernels import nvfp4_grouped_triton
+        from .formats.triton import nvfp4_quantize_triton
 
-        packed, bs = nvfp4_grouped_triton(xg, gs, fake=False)
+        packed, bs = nvfp4_quantize_triton(xg, gs.to(device=x.device, dtype=torch.float32))  # one scale per group
     else:
         bs = _nvfp4_block_scales_ref(xg, gs)
         packed = nvfp4_quantize_with_scales(xg, bs, gs)
@@ -171,9 +171,9 @@ def nvfp4_fake_quantize_grouped(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     xg, gs = _groups(x, global_scales)
     if _use_triton("nvfp4_fake_quantize", backend, x.device):
-        from ._grouped_kernels import nvfp4_grouped_triton
+        from .formats.triton import nvfp4_fake_quantize_triton
 
-        out = nvfp4_grouped_triton(xg, gs, fake=True, out_dtype=out_dtype)
+        out = nvfp4_fake_quantize_triton(xg, gs.to(device=x.device, dtype=torch.float32), out_dtype=out_dtype)
     else:
         bs = _nvfp4_block_scales_ref(xg, gs)
         packed = nvfp4_quantize_with_scales(xg, bs, gs)

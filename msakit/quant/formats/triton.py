@@ -49,6 +49,12 @@ tests checks the hardware forms.  Besides:
 * no float additions feed a multiply (nothing for FMA contraction to fuse); products are
   plain IEEE multiplies, which Triton does not flush to zero (only libdevice calls are FTZ).
 
+Per-group global scales: the NVFP4 quantize launchers also take a 1-D tensor of G global scales
+(x's rows split into G equal groups; QAT's routed experts, one launch per layer).  The
+``*_grouped_kernel`` entry points then load each block's scale (and take its reciprocal) per
+block; the float32 one can also write bfloat16 / float16 fake-quantized output (one rounding of
+the float32 value).  The kernels share their bodies with the single-scale ones.
+
 Launch constexprs: EVEN (the grid covers the blocks exactly: no masks) and I64 (64-bit
 offsets), set by the launchers; their defaults (masked, 64-bit) are always correct.  Per-block
 [BR] loads and stores use _scalar_offs so that they keep the one-row-per-thread layout.
@@ -95,7 +101,7 @@ _MID7 = tl.constexpr(5.0 + 2.0**-22)  # q > 5      (tie -> 4)
 
 
 # ----------------------------------------------------------------------------------------------
-# Bit-level helpers (integer forms; also used by msakit.quant._grouped_kernels)
+# Bit-level helpers (integer forms)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -636,6 +642,16 @@ def _nvfp4_fake_words(w, m1, m2, b0, v1, v2, v3, v4, v5, v6, v7, CMP: tl.constex
 
 
 @triton.jit
+def _nvfp4_gs(gs_ptr, blk, bmask, bpg, GROUPED: tl.constexpr):
+    """The decode global scale: one float32 (a scalar), or, GROUPED, the scale of each block's
+    group (float32 [BR]: gs_ptr[blk // bpg], bpg blocks per group)."""
+    if GROUPED:
+        return _ld(gs_ptr + _scalar_offs(blk // bpg), bmask, 1.0)
+    else:
+        return tl.load(gs_ptr)
+
+
+@triton.jit
 def _nvfp4_quant16_kernel(
     x_ptr,  # int32 view of the bfloat16 / float16 input: 8 words (16 elements) per block
     gs_ptr,
@@ -651,6 +667,37 @@ def _nvfp4_quant16_kernel(
     I64: tl.constexpr = True,
     CMP: tl.constexpr = 0,  # 0: integer comparisons, 1: set.gt.{bf16,f16}x2 (see _nvfp4_gt)
 ):
+    _nvfp4_quant16(x_ptr, gs_ptr, packed_ptr, scales_ptr, out_ptr, n_blocks, 1,
+                   BR, IN_KIND, OUT_KIND, FAKE, EVEN, I64, CMP, False)  # fmt: skip
+
+
+@triton.jit
+def _nvfp4_quant16_grouped_kernel(
+    x_ptr,
+    gs_ptr,  # float32 [G]: one global scale per group of bpg consecutive blocks
+    packed_ptr,
+    scales_ptr,
+    out_ptr,
+    n_blocks,
+    bpg,
+    BR: tl.constexpr,
+    IN_KIND: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    FAKE: tl.constexpr,
+    EVEN: tl.constexpr = False,
+    I64: tl.constexpr = True,
+    CMP: tl.constexpr = 0,
+):
+    _nvfp4_quant16(x_ptr, gs_ptr, packed_ptr, scales_ptr, out_ptr, n_blocks, bpg,
+                   BR, IN_KIND, OUT_KIND, FAKE, EVEN, I64, CMP, True)  # fmt: skip
+
+
+@triton.jit
+def _nvfp4_quant16(
+    x_ptr, gs_ptr, packed_ptr, scales_ptr, out_ptr, n_blocks, bpg,
+    BR: tl.constexpr, IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, FAKE: tl.constexpr,
+    EVEN: tl.constexpr, I64: tl.constexpr, CMP: tl.constexpr, GROUPED: tl.constexpr,
+):  # fmt: skip
     blk = _rows(BR, I64)
     if EVEN:
         bmask = None
@@ -669,7 +716,7 @@ def _nvfp4_quant16_kernel(
         amax = (a16 << 16).to(tl.float32, bitcast=True)
     else:
         amax = a16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    gs = tl.load(gs_ptr)
+    gs = _nvfp4_gs(gs_ptr, blk, bmask, bpg, GROUPED)
     bs_code, bs = _nvfp4_scale(amax, _recip64(gs), True)
     b1, b2, b3, b4, b5, b6, b7 = _nvfp4_bounds(bs * gs)
     p1 = _lane_bound(b1, IN_KIND, CMP)[:, None]
@@ -715,6 +762,35 @@ def _nvfp4_quant32_kernel(
     EVEN: tl.constexpr = False,
     I64: tl.constexpr = True,
 ):
+    _nvfp4_quant32(x_ptr, gs_ptr, packed_ptr, scales_ptr, out_ptr, n_blocks, 1,
+                   BR, FAKE, EVEN, I64, False, 0)  # fmt: skip
+
+
+@triton.jit
+def _nvfp4_quant32_grouped_kernel(
+    x_ptr,  # float32 input
+    gs_ptr,  # float32 [G]: one global scale per group of bpg consecutive blocks
+    packed_ptr,
+    scales_ptr,
+    out_ptr,  # fake-quantized output: float32, bfloat16 (an int16 view) or float16 (OUT_KIND)
+    n_blocks,
+    bpg,
+    BR: tl.constexpr,
+    FAKE: tl.constexpr,
+    EVEN: tl.constexpr = False,
+    I64: tl.constexpr = True,
+    OUT_KIND: tl.constexpr = 0,
+):
+    _nvfp4_quant32(x_ptr, gs_ptr, packed_ptr, scales_ptr, out_ptr, n_blocks, bpg,
+                   BR, FAKE, EVEN, I64, True, OUT_KIND)  # fmt: skip
+
+
+@triton.jit
+def _nvfp4_quant32(
+    x_ptr, gs_ptr, packed_ptr, scales_ptr, out_ptr, n_blocks, bpg,
+    BR: tl.constexpr, FAKE: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
+    GROUPED: tl.constexpr, OUT_KIND: tl.constexpr,
+):  # fmt: skip
     blk = _rows(BR, I64)
     if EVEN:
         bmask = None
@@ -731,7 +807,7 @@ def _nvfp4_quant32_kernel(
         tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1)),
         tl.maximum(tl.max(tl.abs(x2), axis=1), tl.max(tl.abs(x3), axis=1)),
     )
-    gs = tl.load(gs_ptr)
+    gs = _nvfp4_gs(gs_ptr, blk, bmask, bpg, GROUPED)
     bs_code, bs = _nvfp4_scale(amax, _recip64(gs), False)
     b1, b2, b3, b4, b5, b6, b7 = _nvfp4_bounds(bs * gs)
     if FAKE:
@@ -753,8 +829,11 @@ def _nvfp4_quant32_kernel(
         if FAKE:
             lo = tl.where(m2, tl.where(m3, e3, e2), tl.where(m3, e1, 0))
             hi = tl.where(m2, tl.where(m3, e7, e6), tl.where(m3, e5, e4))
-            v = tl.where(m1, hi, lo) ^ (xb & -0x80000000)
-            _st(out_ptr + offs + 4 * qi, v.to(tl.float32, bitcast=True), mask)
+            v = (tl.where(m1, hi, lo) ^ (xb & -0x80000000)).to(tl.float32, bitcast=True)
+            if OUT_KIND == 0:
+                _st(out_ptr + offs + 4 * qi, v, mask)
+            else:  # one rounding of the float32 value (RN is sign-symmetric)
+                _st(out_ptr + offs + 4 * qi, _to16(v, OUT_KIND), mask)
         else:
             code = (m1.to(tl.int32) * 4 + m2.to(tl.int32) * 2 + m3.to(tl.int32)) | ((xb >> 28) & 8)
             nib = tl.sum(code << (tl.arange(0, 4) * 4)[None, :], axis=1)
@@ -922,7 +1001,7 @@ def _interpreting() -> bool:
 
 
 # Default elements per program on GPU, per kernel family (the interpreter uses 16K everywhere);
-# None: the 4K of kernels built on these helpers elsewhere (msakit.quant._grouped_kernels).
+# None: 4K, for kernels built on these helpers elsewhere.
 _DEFAULT_TILE = {"mxfp8": 8192, "nvfp4": 4096, None: 4096}
 
 
@@ -1035,23 +1114,59 @@ def mxfp8_dequantize_triton(
 _COMPARES = {"int": 0, "hset2": 1}
 
 
-def _nvfp4_quant_launch(x, global_scale, packed, scales, out, fake, tile_elems, num_warps, packed_compare):
+def _nvfp4_group_scales(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """global_scale -> (float32 scales on x's device, blocks per group; 0: one scale for all).
+    One element: a single global scale.  A 1-D tensor of G > 1 entries: the rows of x (x viewed
+    as [rows, K]) split into G equal groups of consecutive rows, group g using global_scale[g]
+    (for x [G, N, K]: slice g is quantized with global_scale[g])."""
+    gs = global_scale.detach().to(device=x.device, dtype=torch.float32)
+    G = gs.numel()
+    if G == 1:
+        return gs.reshape(()), 0
+    if gs.dim() != 1:
+        raise ValueError(f"global_scale must have one element or be 1-D (one per group), got shape {tuple(gs.shape)}")
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if G == 0 or rows % G:
+        raise ValueError(f"{G} global scales do not split the {rows} rows of x into equal groups")
+    return gs.contiguous(), max(1, x.numel() // NVFP4_BLOCK // G)
+
+
+def _nvfp4_quant_launch(x, global_scale, packed, scales, out, fake, tile_elems, num_warps, packed_compare,
+                        out_kind=None):  # fmt: skip
+    """out_kind (fake only): the output's kind, x's by default; float32 x may write 16-bit
+    output (out an int16 view), 16-bit x another 16-bit kind (out an int32 view)."""
     if packed_compare not in _COMPARES:
         raise ValueError(f"packed_compare must be one of {tuple(_COMPARES)}, got {packed_compare!r}")
     n_blocks = x.numel() // NVFP4_BLOCK
     if not n_blocks:
         return
+    gs, bpg = _nvfp4_group_scales(x, global_scale)
     br = _tile(n_blocks, NVFP4_BLOCK, tile_elems, "nvfp4")
     grid = (triton.cdiv(n_blocks, br),)
     kw = _launch_kwargs(num_warps, n_blocks, br, NVFP4_BLOCK)
+    kind = _KIND[x.dtype]
+    out_kind = kind if out_kind is None else out_kind
     if x.dtype == torch.float32:
-        _nvfp4_quant32_kernel[grid](x, global_scale, packed, scales, out, n_blocks, BR=br, FAKE=fake, **kw)
+        if bpg or out_kind != 0:
+            _nvfp4_quant32_grouped_kernel[grid](
+                x, gs, packed, scales, out, n_blocks, bpg or n_blocks, BR=br, FAKE=fake, OUT_KIND=out_kind, **kw
+            )
+        else:
+            _nvfp4_quant32_kernel[grid](x, gs, packed, scales, out, n_blocks, BR=br, FAKE=fake, **kw)
     else:
-        kind = _KIND[x.dtype]
-        _nvfp4_quant16_kernel[grid](
-            _aligned(x, 4).view(torch.int32), global_scale, packed, scales, out, n_blocks,
-            BR=br, IN_KIND=kind, OUT_KIND=kind, FAKE=fake, CMP=_COMPARES[packed_compare], **kw,
-        )  # fmt: skip
+        if out_kind == 0:
+            raise ValueError("16-bit input with float32 output: quantize x.float() instead")
+        xv = _aligned(x, 4).view(torch.int32)
+        if bpg:
+            _nvfp4_quant16_grouped_kernel[grid](
+                xv, gs, packed, scales, out, n_blocks, bpg,
+                BR=br, IN_KIND=kind, OUT_KIND=out_kind, FAKE=fake, CMP=_COMPARES[packed_compare], **kw,
+            )  # fmt: skip
+        else:
+            _nvfp4_quant16_kernel[grid](
+                xv, gs, packed, scales, out, n_blocks,
+                BR=br, IN_KIND=kind, OUT_KIND=out_kind, FAKE=fake, CMP=_COMPARES[packed_compare], **kw,
+            )  # fmt: skip
 
 
 def nvfp4_quantize_triton(
@@ -1062,7 +1177,8 @@ def nvfp4_quantize_triton(
     num_warps: int | None = None,
     packed_compare: str = "int",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`global_scale`: float32 0-d tensor on x's device (computed by the caller).
+    """`global_scale`: float32 0-d tensor on x's device (computed by the caller), or a 1-D
+    tensor of G scales, one per group of rows (see _nvfp4_group_scales).
     `packed_compare` ("int" or "hset2"): how the bfloat16 / float16 kernel compares packed
     halves with the block bounds (same bits; "hset2" uses set.gt.{bf16,f16}x2)."""
     x = x.contiguous()
@@ -1078,14 +1194,25 @@ def nvfp4_fake_quantize_triton(
     x: torch.Tensor,
     global_scale: torch.Tensor,
     *,
+    out_dtype: torch.dtype | None = None,
     tile_elems: int | None = None,
     num_warps: int | None = None,
     packed_compare: str = "int",
 ) -> torch.Tensor:
+    """dequantize(quantize(x)) in `out_dtype` (x's dtype by default): the float32 value
+    (e2m1 * block_scale) * global_scale rounded once.  `global_scale` as nvfp4_quantize_triton
+    (one scale, or a 1-D tensor of one scale per group of rows)."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out_kind = _out_kind(out_dtype)
+    if x.dtype != torch.float32 and out_kind == 0:
+        x = x.float()  # exact; the float32 kernel writes float32
     x = x.contiguous()
-    out = torch.empty_like(x)
-    ov = out if x.dtype == torch.float32 else out.view(torch.int32)
-    _nvfp4_quant_launch(x, global_scale, ov, ov, ov, True, tile_elems, num_warps, packed_compare)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if x.dtype == torch.float32:
+        ov = out if out_kind == 0 else out.view(torch.int16)
+    else:
+        ov = out.view(torch.int32)
+    _nvfp4_quant_launch(x, global_scale, ov, ov, ov, True, tile_elems, num_warps, packed_compare, out_kind)
     return out
 
 
