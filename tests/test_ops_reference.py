@@ -233,6 +233,13 @@ def test_bad_input_raises_value_error_naming_the_argument():
     for fn, name in cases:
         with pytest.raises(ValueError, match=name):
             fn()
+    # validate=False skips only the value range check (a host sync on CUDA), not the layout checks
+    bad = bi.clone()
+    bad[..., 0] = 99  # out of range (ignored by the attention: ids past a row's own block)
+    ops.sparse_attention(q, k, v, bad, block_size=4, validate=False)
+    ops.index_kl_loss(q, k, qi, ki, bad, block_size=4, validate=False)
+    with pytest.raises(ValueError, match="block_idx"):
+        ops.sparse_attention(q, k, v, bi.float(), block_size=4, validate=False)
 
 
 def test_reference_runs_long_sequence_in_bounded_memory():

@@ -157,6 +157,36 @@ def test_weights_quantized_once_per_step(monkeypatch):
     assert st["activation_reuses"] > 0  # q/k/v, index q/k and shared gate/up read one quantized input
 
 
+def test_weight_refresh_matches_the_per_module_path():
+    """capture_weight_refresh (eager here; one CUDA graph on the GPU) gives bit-identical losses,
+    gradients and updates over several optimizer steps, refreshing all weights once per step."""
+    from msakit.quant import capture_weight_refresh
+
+    ids = batch(B=2, T=32)
+    runs = []
+    for refresh in (False, True):
+        m = prepare_qat(small(layers=2))
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        if refresh:
+            assert capture_weight_refresh(m, torch.float32, graph=False) > 0
+        losses = []
+        for _ in range(3):
+            for _ in range(2):  # two micro-batches per optimizer step
+                loss = m(ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        runs.append((torch.stack(losses), [p.detach().clone() for p in m.parameters()], qat_stats(m)))
+    (l0, p0, _), (l1, p1, st) = runs
+    assert torch.equal(bits(l0), bits(l1))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(p0, p1))
+    assert st["weight_refreshes"] == 1 + 2  # the capture's own run + one per later step with a forward
+    m2 = copy.deepcopy(m)  # a copy (e.g. for convert) falls back to the per-module path
+    assert all(getattr(mq, "_qat").refresher is None for mq in m2.modules() if hasattr(mq, "_qat"))
+    assert torch.equal(bits(m2(ids, labels=ids).loss), bits(m(ids, labels=ids).loss))
+
+
 def test_convert_matches_the_qat_forward():
     m = small()
     ids = batch()

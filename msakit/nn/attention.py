@@ -144,12 +144,12 @@ class MSAAttention(nn.Module):
         need_sel = self.mode == "sparse" or compute_kl
         block_idx = self.select(q_idx, k_idx) if need_sel else None
         if self.mode == "sparse":
-            o = ops.sparse_attention(q, k, v, block_idx, block_size=c.block_size)
+            o = ops.sparse_attention(q, k, v, block_idx, block_size=c.block_size, validate=False)
         else:
             o = ops.dense_attention(q, k, v)
         kl = None
         if compute_kl:
-            kl = ops.index_kl_loss(q, k, q_idx, k_idx, block_idx, block_size=c.block_size)
+            kl = ops.index_kl_loss(q, k, q_idx, k_idx, block_idx, block_size=c.block_size, validate=False)
         B, T = hidden.shape[:2]
         return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim)), kl
 

@@ -51,7 +51,7 @@ def msa_attention(
         )
     res = sparse_attention(
         q, k, v, block_idx, block_size=block_size, softmax_scale=softmax_scale, return_lse=return_lse,
-        cu_seqlens=cu_seqlens, backend=backend,
+        cu_seqlens=cu_seqlens, backend=backend, validate=False,  # index_topk's selection is valid
     )
     res = res if isinstance(res, tuple) else (res,)
     if return_block_idx:

@@ -36,7 +36,7 @@ from .plan import (
     validate_plan,
 )
 from .linear import PackedEmbedding, PackedExperts, PackedLinear, fake_quantize_weight, pack_weight, unpack_weight
-from .qat import QATConfig, convert, is_qat, prepare_qat, qat_stats, qat_step, remove_qat
+from .qat import QATConfig, capture_weight_refresh, convert, is_qat, prepare_qat, qat_stats, qat_step, remove_qat
 from .checkpoint import ScaleReport, check_scales, load_for_qat, load_quantized, read_quantization_config, save_quantized
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     # QAT and packed inference
     "QATConfig",
     "prepare_qat",
+    "capture_weight_refresh",
     "qat_step",
     "qat_stats",
     "is_qat",

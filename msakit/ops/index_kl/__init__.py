@@ -124,6 +124,7 @@ def index_kl_loss(
     lse: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """Mean over (b, r, i) of KL(P || P_idx) on the selected tokens; a scalar.
 
@@ -150,7 +151,7 @@ def index_kl_loss(
         raise ValueError(f"q_idx must have shape [B={B}, T={T}, G={G}, Di], got {tuple(q_idx.shape)}")
     check_same(("q", "q_idx"), (q, q_idx), dtype=False)
     check_positive_int("block_size", block_size)
-    check_block_idx(block_idx, B, G, T, block_size, q.device)
+    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     iscale = check_scale("index_softmax_scale", index_softmax_scale, 1.0 / math.sqrt(Di))
     if lse is not None:
@@ -193,6 +194,7 @@ def selected_lse(
     softmax_scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """The main branch's per-head log-sum-exp over the selected tokens, [B, Hq, T] float32.
 
@@ -201,7 +203,7 @@ def selected_lse(
     """
     B, T, Hq, G, D = check_qkv(q, k, None)
     check_positive_int("block_size", block_size)
-    check_block_idx(block_idx, B, G, T, block_size, q.device)
+    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, B, T, q.device)

@@ -134,6 +134,7 @@ def sparse_attention(
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ):
     """Block-sparse causal GQA attention.
 
@@ -146,10 +147,12 @@ def sparse_attention(
     documents [cu_seqlens[d], cu_seqlens[d+1]) attend only inside themselves and their block
     ids count from each document's start.  backend: "auto" | "triton" | "reference"
     (`msakit.ops._dispatch`).  Differentiable in q, k, v (and through lse).
+    validate=False skips the range check of block_idx's values (a host sync on CUDA) for a
+    selection known to be valid, such as index_topk's output.
     """
     B, T, Hq, G, D = check_qkv(q, k, v)
     check_positive_int("block_size", block_size)
-    check_block_idx(block_idx, B, G, T, block_size, q.device)
+    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, B, T, q.device)

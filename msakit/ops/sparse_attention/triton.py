@@ -23,8 +23,11 @@ grid is an upper bound (`max_items`; padding items do nothing).
 
 Forward combine (choice (b) of the design brief):
   every (query, head, slot) gets a partial output normalised by its own softmax sum, in
-  q.dtype, plus its own lse_s = m_s + log l_s in fp32 (`OP` [C, topk, Hq, D], `LP` [C, topk,
-  Hq]); a merge kernel forms lse = logsumexp_s lse_s and o = sum_s exp(lse_s - lse) O_s over
+  q.dtype, plus its own lse_s = m_s + log l_s in fp32.  The partial buffers are *entry-major*
+  (`OP` [M entries x Hq/G heads, D], `LP` [M x Hq/G]; entry = position in the key-sorted work
+  list), so a sub-tile's rows are contiguous (one 16 KB store, no per-row slot load: the
+  dependent slot load was the hottest stall under ncu); `inv` maps (group, row, slot) to its
+  entry.  A merge kernel forms lse = logsumexp_s lse_s and o = sum_s exp(lse_s - lse) O_s over
   the row's valid slots (slot s is valid iff s < nvalid(g, n): nothing is pre-filled).
   Rejected: (a) a stats pass + fp32 atomics into [T, Hq, D]: 1.5x the FLOPs and 16 x 4 B of
   read-modify-write per output element, each line leaving L2 between its updates under a
@@ -64,9 +67,11 @@ Inputs: fp16/bf16 on the GPU (fp32 too under the interpreter), block_size and he
 bundled ptxas: none spills at M3's shape); `bench.check_and_bench(sweep=True)` times them,
 `bench.gpu_run()` sweeps them quickly and profiles ablations (`ablate=` of both launchers:
 no partial stores, no Q gather, no merge / reduce...; timing only).
-Measured (H200, 128K, M3): forward 86 ms = 102 TFLOP/s, ~10K cycles per 64-row sub-tile
-against ~1.1K of MMA; the backward's per-row time is only 1.44x the forward's for 2.5x the
-FLOPs (1.5x the bytes), so both loops wait on memory, not math.  The forward's loop had a
+Measured (H200, 128K, M3; benchmarks/NOTES.md runs 3-7): forward kernel 24.4 ms + merge 10.2
+ms + work list ~3 ms (216 TFLOP/s end to end; the work list's cummin/cummax scans took 45 ms
+before they became binary searches); backward kernel 63 ms.  ncu (16K): IPC 1.47, issue slots
+37% busy, stalls spread over long scoreboard / wait / barrier (the output's layout change
+through shared memory) -- latency-bound with one warpgroup per CTA and two CTAs per SM.  The forward's loop had a
 generic->async proxy fence per sub-tile (Q written to shared memory for wgmma), which ptxas
 emits as MEMBAR.ALL.CTA: it waits for the previous sub-tile's partial stores to drain.
 QREG (default config) feeds Q to wgmma from registers: no fence in the loop.
@@ -139,8 +144,8 @@ BWD_CONFIGS = {
     "m32w8p512": KernelConfig(32, 512, 8, 1, True),  # longer items: half the K/V loads + atomics
     "m32w8p2g": KernelConfig(32, 256, 8, 1, True, False, 2 << 30),  # 2 GiB chunks (~7.8K rows)
 }
-FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4pq")
-BWD_DEFAULT = os.environ.get("MSAKIT_SA_BWD_CONFIG", "m32w8p")
+FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4p")  # run 3 sweep: 85.1 ms vs 91.8 (pq) at 128K
+BWD_DEFAULT = os.environ.get("MSAKIT_SA_BWD_CONFIG", "m32w8p512")  # run 3: 124.2 ms vs 125.1
 # Under the interpreter: small tiles and short items so that tests exercise the sub-tile loop,
 # several items per key and the atomics.
 INTERPRET_FWD = KernelConfig(16, 16, 4, 1)
@@ -177,11 +182,11 @@ def kernel_supports(dtype: torch.dtype, head_dim: int, block_size: int, device: 
 @dataclass
 class _Items:
     ent_q: torch.Tensor  # int32 [M]: flat query token of each entry, sorted by key
-    ent_s: torch.Tensor  # int32 [M]: the entry's slot (position in the canonical selection)
     it_key: torch.Tensor  # int64 [max_items]: g * N + first token of the key's block
     it_start: torch.Tensor  # int64 [max_items]: first entry of the item
     it_count: torch.Tensor  # int32 [max_items]: entries in the item (0 = padding)
     nvalid: torch.Tensor  # int32 [G, C]: valid slots of each (group, row)
+    inv: torch.Tensor  # int32 [G * C * K]: entry index of (group, row, slot) (valid slots only)
     max_items: int
 
 
@@ -227,14 +232,13 @@ def _build_items(
     skey, order = torch.sort(key.reshape(-1).to(kdt), stable=True)
     M = G * C * K
     ent_q = (n0 + (order // K) % C).to(torch.int32)
-    ent_s = (order % K).to(torch.int32)
+    inv = torch.empty(M, dtype=torch.int32, device=dev)
+    inv[order] = torch.arange(M, device=dev, dtype=torch.int32)
     idx = torch.arange(M, device=dev, dtype=torch.int64)
-    newrun = torch.ones(M, dtype=torch.bool, device=dev)
-    newrun[1:] = skey[1:] != skey[:-1]
-    run_start = torch.cummax(torch.where(newrun, idx, torch.zeros_like(idx)), 0).values
-    nxt = torch.where(newrun, idx, torch.full_like(idx, M))
-    nxt = torch.cat([nxt[1:], nxt.new_full((1,), M)])
-    run_end = torch.cummin(nxt.flip(0), 0).values.flip(0)  # first run start after each entry
+    # first entry of each entry's key run, and one past its last (binary searches in the sorted
+    # keys: torch's cummax / cummin scans took 45 ms of a 103 ms forward at T = 128K on the H200)
+    run_start = torch.searchsorted(skey, skey, right=False)
+    run_end = torch.searchsorted(skey, skey, right=True)
     rank = idx - run_start
     first = (skey < kspace) & (rank % item_queries == 0)
     cnt = torch.clamp(run_end - idx, max=item_queries)
@@ -247,7 +251,7 @@ def _build_items(
     it_start = st
     it_count = torch.where(real, cnt[st], torch.zeros_like(st)).to(torch.int32)
     it_key = skey[st].long()
-    return _Items(ent_q, ent_s, it_key, it_start, it_count, nvalid, max_items)
+    return _Items(ent_q, it_key, it_start, it_count, nvalid, inv, max_items)
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -263,7 +267,7 @@ def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _sa_fwd_kernel(
     Q, K, V, OP, LP,
-    ENT_Q, ENT_S, IT_KEY, IT_START, IT_COUNT,
+    ENT_Q, IT_KEY, IT_START, IT_COUNT,
     N, n0, qk_scale, C_ROWS,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
@@ -339,23 +343,27 @@ def _sa_fwd_kernel(
             # a no-op select (the load's mask already zeroed these rows) so that the MMA's A
             # operand is not a load: Triton then feeds wgmma from registers
             qb = tl.where(row_mask, qb, tl.zeros_like(qb))
-        slot = tl.load(ENT_S + e, mask=row_ok, other=0).to(tl.int64)
         s = _mm(qb, tl.trans(kb), PREC, UPCAST) * qk_scale
         # key token tok0 + c is visible to row (n, h) iff c <= n - tok0 (causal; also keeps the
         # key inside n's document and below N) and c < BS; invalid rows see nothing (int32 math)
         rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
         if BS < BLOCK_N:
             rel = tl.minimum(rel, BS - 1)
-        s = tl.where(offs_n[None, :] <= rel[:, None], s, float("-inf"))
+        # the causal mask only matters where a valid row sits inside the key's block (its own,
+        # diagonal block) or the block is partial: skip ~130 instructions per thread otherwise
+        # (rows that are not valid compute on zero Q rows and are never stored)
+        if tl.min(tl.where(row_ok, rel, BLOCK_N)) < BLOCK_N - 1:
+            s = tl.where(offs_n[None, :] <= rel[:, None], s, float("-inf"))
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
         p = tl.exp2(s - m[:, None])
         l = tl.sum(p, axis=1)
         acc = _mm(p.to(vb.dtype), vb, PREC, UPCAST)
         l_safe = tl.where(l > 0.0, l, 1.0)
-        ob = acc / l_safe[:, None]
+        ob = acc * (1.0 / l_safe)[:, None]
         lse = (m + tl.log2(l_safe)) * 0.6931471805599453
-        prow = ((n - n0) * KS + slot) * HQ + head
+        # partials are entry-major (row e * HPG + head in group): a sub-tile's rows are contiguous
+        prow = (start + sub) * HPG + offs_m
         st_ok = row_ok
         if (ABL & 1) != 0:
             st_ok = row_ok & (count < 0)  # never true, unknown to the compiler
@@ -367,13 +375,14 @@ def _sa_fwd_kernel(
 
 @triton.jit
 def _sa_slot_reduce_kernel(
-    P, LP, NV, OUT, LSE,
+    P, LP, NV, INV, OUT, LSE,
     n0, C, T,
     HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """OUT[n0 + t, h] = sum over the valid slots s < NV[g, t] of P[t, s, h] (times
-    exp(LP[t, s, h] - lse) and writing lse = logsumexp_s LP into LSE [B, HQ, T] if WEIGHTED)."""
+    """OUT[n0 + t, h] = sum over the valid slots s < NV[g, t] of P[e, h % HPG] with e = INV[g, t, s]
+    the entry of (g, t, s) (times exp(LP[e, h % HPG] - lse) and writing lse = logsumexp_s LP into
+    LSE [B, HQ, T] if WEIGHTED)."""
     offs_r = tl.arange(0, BLOCK_T * BLOCK_H)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_H
     h = tl.program_id(1) * BLOCK_H + offs_r % BLOCK_H
@@ -381,13 +390,15 @@ def _sa_slot_reduce_kernel(
     g = h // HPG
     nv = tl.load(NV + g * C + t, mask=ok, other=0)
     t64 = t.to(tl.int64)
-    base = t64 * (KS * HQ) + h  # (t, slot 0, h) in [C, KS, HQ]
+    ibase = (g.to(tl.int64) * C + t64) * KS  # (g, t, slot 0) in INV [G, C, KS]
+    hh = h % HPG
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     if WEIGHTED:
         mx = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
         for s in range(0, KS):
-            ls = tl.load(LP + base + s * HQ, mask=ok & (s < nv), other=float("-inf"))
+            e = tl.load(INV + ibase + s, mask=ok & (s < nv), other=0).to(tl.int64)
+            ls = tl.load(LP + e * HPG + hh, mask=ok & (s < nv), other=float("-inf"))
             mx = tl.maximum(mx, ls)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         sw = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
@@ -395,11 +406,13 @@ def _sa_slot_reduce_kernel(
     for s in range(0, KS, 2):  # two slots per step: both loads in flight together
         ok0 = ok & (s < nv)
         ok1 = ok & (s + 1 < nv)  # nv <= KS, so an odd KS never reads slot KS
-        x0 = tl.load(P + (base + s * HQ)[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
-        x1 = tl.load(P + (base + (s + 1) * HQ)[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
+        r0 = tl.load(INV + ibase + s, mask=ok0, other=0).to(tl.int64) * HPG + hh
+        r1 = tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) * HPG + hh
+        x0 = tl.load(P + r0[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
+        x1 = tl.load(P + r1[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
         if WEIGHTED:
-            w0 = tl.exp(tl.load(LP + base + s * HQ, mask=ok0, other=float("-inf")) - mx)
-            w1 = tl.exp(tl.load(LP + base + (s + 1) * HQ, mask=ok1, other=float("-inf")) - mx)
+            w0 = tl.exp(tl.load(LP + r0, mask=ok0, other=float("-inf")) - mx)
+            w1 = tl.exp(tl.load(LP + r1, mask=ok1, other=float("-inf")) - mx)
             sw += w0 + w1
             acc += x0.to(tl.float32) * w0[:, None] + x1.to(tl.float32) * w1[:, None]
         else:
@@ -445,7 +458,7 @@ def _sa_bwd_pre_kernel(
 @triton.jit
 def _sa_bwd_kernel(
     Q, K, V, DO, LSE2, DELTA, DQP, DKA, DVA,
-    ENT_Q, ENT_S, IT_KEY, IT_START, IT_COUNT,
+    ENT_Q, IT_KEY, IT_START, IT_COUNT,
     N, n0, qk_scale, sm_scale,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
@@ -533,18 +546,19 @@ def _sa_bwd_kernel(
             dob = tl.load(DO + qrow, mask=row_mask, other=0.0)
             lse2 = tl.load(LSE2 + n_ld * HQ + head, mask=row_ok, other=0.0)
             dl = tl.load(DELTA + n_ld * HQ + head, mask=row_ok, other=0.0)
-        slot = tl.load(ENT_S + e, mask=row_ok, other=0).to(tl.int64)
         sT = _mm(kb, tl.trans(qb), PREC, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
         rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
         if BS < BLOCK_N:
             rel = tl.minimum(rel, BS - 1)
-        pT = tl.where(offs_n[:, None] <= rel[None, :], tl.exp2(sT - lse2[None, :]), 0.0)
+        pT = tl.exp2(sT - lse2[None, :])
+        if tl.min(tl.where(row_ok, rel, BLOCK_N)) < BLOCK_N - 1:  # diagonal / partial block only
+            pT = tl.where(offs_n[:, None] <= rel[None, :], pT, 0.0)
         dv += _mm(pT.to(dob.dtype), dob, PREC, UPCAST)
         dpT = _mm(vb, tl.trans(dob), PREC, UPCAST)
         dsT = (pT * (dpT - dl[None, :])).to(qb.dtype)
         dk += _mm(dsT, qb, PREC, UPCAST)
         dqb = _mm(tl.trans(dsT), kb, PREC, UPCAST) * sm_scale  # [BLOCK_M, BLOCK_D]
-        prow = ((n - n0) * KS + slot) * HQ + head
+        prow = (start + sub) * HPG + offs_m  # entry-major, as in the forward
         st_ok = row_ok
         if (ABL & 1) != 0:
             st_ok = row_ok & (count < 0)  # never true, unknown to the compiler
@@ -690,7 +704,7 @@ def sparse_attention_fwd_triton(
             it = _build_items(sel[:, n0 : n0 + c], doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
             _sa_fwd_kernel[(it.max_items,)](
                 qf, kf, vf, OP, LP,
-                it.ent_q, it.ent_s, it.it_key, it.it_start, it.it_count,
+                it.ent_q, it.it_key, it.it_start, it.it_count,
                 geo.N, n0, qk_scale, c,
                 HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
@@ -700,7 +714,7 @@ def sparse_attention_fwd_triton(
             if ablate & 8:
                 continue
             _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
-                OP, LP, it.nvalid, o, lse,
+                OP, LP, it.nvalid, it.inv, o, lse,
                 n0, c, geo.T,
                 HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=True,
                 BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
@@ -768,7 +782,7 @@ def sparse_attention_bwd_triton(
             it = _build_items(sel[:, n0 : n0 + c], doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
             _sa_bwd_kernel[(it.max_items,)](
                 qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
-                it.ent_q, it.ent_s, it.it_key, it.it_start, it.it_count,
+                it.ent_q, it.it_key, it.it_start, it.it_count,
                 geo.N, n0, float(scale) * 1.4426950408889634, float(scale),
                 HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
@@ -778,7 +792,7 @@ def sparse_attention_bwd_triton(
             if ablate & 8:
                 continue
             _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
-                DQP, DQP, it.nvalid, dq, dq,
+                DQP, DQP, it.nvalid, it.inv, dq, dq,
                 n0, c, geo.T,
                 HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=False,
                 BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
