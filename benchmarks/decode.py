@@ -8,7 +8,11 @@ top-k blocks of K and V, over 4.16 TB/s.  Calls are timed inside CUDA graphs, wi
 before each call ("cold", the headline) and back to back ("hot").
 
     python benchmarks/decode.py [--B 1 8 32] [--N 16384 131072 1048576] [--idx bf16 fp8] [--nq 1]
-                                [--no-check] [--no-tune]
+                                [--no-check] [--no-tune] [--generate 32768 131072] [--skip-layer]
+
+--generate also times `model.generate` of the "small" preset (random weights, bf16, sparse mode)
+after prompts of those lengths, paged (msa_decode) and contiguous caches (tokens/s, prefill
+taken out).
 
 Writes benchmarks/results/decode_<gpu>.json (and $OUT/ when set), a PNG, and prints a table.
 Bars (H200): >= 7.6x dense at 1M B=1 (bf16 index keys), >= 12x with fp8 index keys, never slower
@@ -57,6 +61,48 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def generate_speed(contexts: list[int], new_tokens: int = 64, batch: int = 1) -> list[dict]:
+    """Tokens/s of `model.generate` for the "small" M3 preset (random weights, bf16, sparse MSA
+    mode) after a prompt of each context length: the paged cache (`msa_decode`, the default on
+    CUDA) and the contiguous one, greedy, timed after a short warm-up generation."""
+    import time
+
+    from msakit.models import M3Config, M3ForCausalLM
+
+    rows = []
+    for ctx in contexts:
+        cfg = M3Config.preset("small", vocab_size=4096, max_position_embeddings=ctx + new_tokens + 8)
+        model = M3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+        model.set_attention_mode("sparse")
+        ids = torch.randint(0, 4096, (batch, ctx), device="cuda")
+        row = {"context": ctx, "batch": batch, "new_tokens": new_tokens, "params": sum(p.numel() for p in model.parameters())}
+        for cache in ("paged", "contiguous"):
+            try:
+                with torch.no_grad():
+                    model.generate(ids, 4, temperature=0.0, cache=cache)  # warm-up (compiles, allocator)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.generate(ids, new_tokens, temperature=0.0, cache=cache)
+                    torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                # the prompt's prefill is inside dt: time it alone and take it out
+                with torch.no_grad():
+                    torch.cuda.synchronize()
+                    t1 = time.perf_counter()
+                    model.generate(ids, 1, temperature=0.0, cache=cache)
+                    torch.cuda.synchronize()
+                    pre = time.perf_counter() - t1
+                row[f"{cache}_prefill_s"] = pre
+                row[f"{cache}_tok_s"] = batch * (new_tokens - 1) / max(1e-9, dt - pre)
+            except Exception as e:  # report and go on
+                row[f"{cache}_error"] = repr(e)[:300]
+        print(row, flush=True)
+        rows.append(row)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--B", type=int, nargs="*", default=[1, 8, 32])
@@ -66,6 +112,9 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--generate", type=int, nargs="*", default=None, metavar="CTX",
+                    help="also time model.generate of the small preset at these contexts (e.g. 32768 131072)")
+    ap.add_argument("--skip-layer", action="store_true", help="only the --generate timings")
     args = ap.parse_args()
     info = env_info()
     payload: dict = {"env": info, "shape": dict(Hq=bench.HQ, G=bench.G, D=bench.D, Di=bench.DI, block=bench.PS,
@@ -79,8 +128,10 @@ def main() -> None:
         plan_kw = bench.best_plan_kw(payload["tune"])
         payload["chosen"] = plan_kw
         print("chosen scoring launch:", plan_kw, flush=True)
-    rows = bench.run(args.B, args.N, args.idx, nq=args.nq, plan_kw=plan_kw)
+    rows = [] if args.skip_layer else bench.run(args.B, args.N, args.idx, nq=args.nq, plan_kw=plan_kw)
     payload["rows"] = rows
+    if args.generate:
+        payload["generate"] = generate_speed(args.generate)
     gpu = (info.get("gpu") or "gpu").replace(" ", "_")
     name = f"decode_{gpu}{args.tag}.json"
     save_json(name, payload)
