@@ -11,7 +11,6 @@ context, and prints a table.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -47,6 +46,19 @@ def flops_dense(T: int) -> float:
     return 2 * HQ * D * T * T  # causal half of 4*Hq*D*T^2
 
 
+def msa_forward(q, k, v, qi, ki):
+    """The MSA forward of one layer: index_topk, then sparse_attention."""
+    return ops.sparse_attention(q, k, v, ops.index_topk(qi, ki, block_size=BS, topk=TOPK), block_size=BS, validate=False)
+
+
+def msa_train_step(q, k, v, qi, ki, do) -> None:
+    """Forward + backward of one layer with the indexer KL loss (sum(o * do) + KL)."""
+    bi = ops.index_topk(qi.detach(), ki.detach(), block_size=BS, topk=TOPK)
+    o, lse = ops.sparse_attention(q, k, v, bi, block_size=BS, return_lse=True, validate=False)
+    kl = ops.index_kl_loss(q, k, qi, ki, bi, block_size=BS, lse=lse, validate=False)
+    ((o.float() * do).sum() + kl).backward()
+
+
 def run_forward(T: int, dense_once: bool) -> dict:
     q, k, v, qi, ki = inputs(T)
     torch.cuda.synchronize()
@@ -64,9 +76,7 @@ def run_forward(T: int, dense_once: bool) -> dict:
     del o
     row["index_topk_ms"] = bench_ms(lambda: ops.index_topk(qi, ki, block_size=BS, topk=TOPK))
     row["sparse_attn_ms"] = bench_ms(lambda: ops.sparse_attention(q, k, v, bi, block_size=BS, validate=False))
-    row["msa_fwd_ms"] = bench_ms(
-        lambda: ops.sparse_attention(q, k, v, ops.index_topk(qi, ki, block_size=BS, topk=TOPK), block_size=BS, validate=False)
-    )
+    row["msa_fwd_ms"] = bench_ms(lambda: msa_forward(q, k, v, qi, ki))
     row["speedup_fwd"] = row["dense_ms"] / row["msa_fwd_ms"]
     row["index_tflops"] = flops_index(T) / row["index_topk_ms"] / 1e9
     row["sparse_attn_tflops"] = flops_attn(T) / row["sparse_attn_ms"] / 1e9
@@ -81,10 +91,7 @@ def run_train(T: int) -> dict:
     row["dense_train_ms"] = bench_ms(dense_cudnn(q, k, v, backward=True), rep=5)
 
     def step():
-        bi = ops.index_topk(qi.detach(), ki.detach(), block_size=BS, topk=TOPK)
-        o, lse = ops.sparse_attention(q, k, v, bi, block_size=BS, return_lse=True, validate=False)
-        kl = ops.index_kl_loss(q, k, qi, ki, bi, block_size=BS, lse=lse, validate=False)
-        ((o.float() * do).sum() + kl).backward()
+        msa_train_step(q, k, v, qi, ki, do)
 
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()

@@ -16,19 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.prefill import BS, TOPK, inputs  # noqa: E402
-from msakit import ops  # noqa: E402
-
-
-def forward(q, k, v, qi, ki):
-    return ops.sparse_attention(q, k, v, ops.index_topk(qi, ki, block_size=BS, topk=TOPK), block_size=BS, validate=False)
-
-
-def train_step(q, k, v, qi, ki, do):
-    bi = ops.index_topk(qi.detach(), ki.detach(), block_size=BS, topk=TOPK)
-    o, lse = ops.sparse_attention(q, k, v, bi, block_size=BS, return_lse=True, validate=False)
-    kl = ops.index_kl_loss(q, k, qi, ki, bi, block_size=BS, lse=lse, validate=False)
-    ((o.float() * do).sum() + kl).backward()
+from benchmarks.prefill import inputs, msa_forward, msa_train_step  # noqa: E402
 
 
 def profile(fn, label: str, out_dir: str) -> str:
@@ -55,15 +43,15 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "/tmp")
     q, k, v, qi, ki = inputs(args.T, grad=args.train)
     if args.once:
-        forward(q, k, v, qi, ki)
+        msa_forward(q, k, v, qi, ki)
         torch.cuda.synchronize()
-        forward(q, k, v, qi, ki)
+        msa_forward(q, k, v, qi, ki)
         torch.cuda.synchronize()
         return
-    print(profile(lambda: forward(q, k, v, qi, ki), f"forward T={args.T}", out_dir), flush=True)
+    print(profile(lambda: msa_forward(q, k, v, qi, ki), f"forward T={args.T}", out_dir), flush=True)
     if args.train:
         do = torch.randn_like(q)
-        print(profile(lambda: train_step(q, k, v, qi, ki, do), f"train step T={args.T}", out_dir), flush=True)
+        print(profile(lambda: msa_train_step(q, k, v, qi, ki, do), f"train step T={args.T}", out_dir), flush=True)
 
 
 if __name__ == "__main__":

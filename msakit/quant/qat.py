@@ -229,11 +229,9 @@ class _Refresher:
 
     def run(self) -> None:
         if self.graph is not None:
-            self.graph.replay()
+            self.graph.replay()  # rewrites self.outputs in place
         else:
-            for buf, new in zip(self.outputs, self.compute_all()):
-                for b, n in zip(buf, new):
-                    b.copy_(n)
+            self.outputs = self.compute_all()
         n = 0
         for (m, mod), out in zip(self.members, self.outputs):
             ws = _qat_weights(mod)
@@ -244,6 +242,7 @@ class _Refresher:
 
 
 def _qat_weights(mod: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters a QAT module fake-quantizes, by name (the keys of its formats)."""
     if isinstance(mod, QATGroupedExperts):
         return {"w1": mod.w1, "w3": mod.w3, "w2": mod.w2}
     return {"weight": mod.weight}
@@ -277,8 +276,6 @@ def capture_weight_refresh(model: nn.Module, dtype: torch.dtype = torch.bfloat16
         with torch.cuda.graph(g):
             r.outputs = r.compute_all()
         r.graph = g
-    else:
-        r.outputs = r.compute_all()
     for m, _ in members:
         m.refresher = r
     r.run()
@@ -294,7 +291,7 @@ class QATLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self._qat
         dt = compute_dtype(x.device.type, self.weight.dtype)
-        (w,) = q.ste({"weight": self.weight}, dt)
+        (w,) = q.ste(_qat_weights(self), dt)
         if q.act:
             x = q.state.act(x, dt)
         return F.linear(x, w, self.bias)
@@ -309,7 +306,7 @@ class QATEmbedding(nn.Embedding):
     _qat: _ModuleQAT
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        (w,) = self._qat.ste({"weight": self.weight}, self.weight.dtype)
+        (w,) = self._qat.ste(_qat_weights(self), self.weight.dtype)
         return F.embedding(ids, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
 
 
@@ -320,7 +317,7 @@ class QATGroupedExperts(GroupedExperts):
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dt = compute_dtype(self.w1.device.type, self.w1.dtype)
-        return self._qat.ste({"w1": self.w1, "w3": self.w3, "w2": self.w2}, dt)  # type: ignore[return-value]
+        return self._qat.ste(_qat_weights(self), dt)  # type: ignore[return-value]
 
 
 _QAT_CLASSES = {nn.Linear: QATLinear, nn.Embedding: QATEmbedding, GroupedExperts: QATGroupedExperts}

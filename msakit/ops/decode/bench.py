@@ -460,34 +460,15 @@ def compile_report(arch: int = 90) -> list[dict]:
     ptxas; run with TRITON_INTERPRET unset) and report shared memory, registers and spills.
     Pointer arguments are marked 16-byte aligned, as the JIT does for real tensors (without
     that Triton does not software-pipeline the loads)."""
-    import os
-    import subprocess
-    import tempfile
-
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler import compile as tcompile
+
+    from msakit._cuda_compile import compile_cuda, res_usage
 
     from . import triton as K
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    target = GPUTarget("cuda", arch, 32)
-
     def build(name, fn, sig, consts, **opts):
-        names = fn.arg_names
-        signature = {n: ("constexpr" if n in consts else sig[n]) for n in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if signature[n].startswith("*") or n == "pt_stride"}
-        k = tcompile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs), target=target, options=opts)
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(k.asm["ptx"])
-        res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True)
-        os.unlink(f.name)
-        info = " ".join(x.strip() for x in res.stderr.splitlines() if "registers" in x or "spill" in x)
-        row = {"kernel": name, "shared": k.metadata.shared, "ptxas": info,
-               "pipelined_loads": k.asm["ttgir"].count("async_copy_global_to_local")}
+        k = compile_cuda(fn, sig, consts, aligned=("pt_stride",), capability=arch, **opts)
+        row = {"kernel": name, **res_usage(k), "pipelined_loads": k.asm["ttgir"].count("async_copy_global_to_local")}
         print(row, flush=True)
         return row
 

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from .._bench import peak_extra, rel_err
+
 M3 = dict(Hq=64, G=4, D=128, Di=128, block_size=128, topk=16)
 
 
@@ -49,18 +51,8 @@ def flops(T: int, Hq: int, G: int, D: int, Di: int, block_size: int, topk: int) 
     return 2.0 * Hq * D * topk * block_size * T + 4.0 * G * Di * topk * block_size * T
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _peak_extra(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
+def _peak_extra_gib(fn) -> float:
+    return peak_extra(fn)[0] / 2**30
 
 
 def check_and_bench(
@@ -130,8 +122,8 @@ def check_and_bench(
                 loss=float(loss), loss_ref=float(ref),
                 loss_rel_err=abs(float(loss) - float(ref)) / abs(float(ref)),
                 loss_rel_err_no_lse=abs(float(loss_nolse) - float(ref)) / abs(float(ref)),
-                dq_rel_err=_rel(dq, qr.grad), dk_rel_err=_rel(dk, kr.grad),
-                dq_rel_err_no_lse=_rel(dq2, qr.grad), dk_rel_err_no_lse=_rel(dk2, kr.grad),
+                dq_rel_err=rel_err(dq, qr.grad), dk_rel_err=rel_err(dk, kr.grad),
+                dq_rel_err_no_lse=rel_err(dq2, qr.grad), dk_rel_err_no_lse=rel_err(dk2, kr.grad),
                 lse_max_abs_err=float((lse - lref).abs().max()),
             )
             row["ok"] = bool(
@@ -160,8 +152,8 @@ def check_and_bench(
             ms_selected_lse=ms_lse,
             tflops=f / ms * 1e-9, tflops_no_lse=f / ms_nolse * 1e-9,
             tflops_selected_lse=2.0 * Hq * D * topk * bs * T / ms_lse * 1e-9,
-            peak_extra_gib=_peak_extra(lambda: step(True)),
-            peak_extra_gib_no_lse=_peak_extra(lambda: step(False)),
+            peak_extra_gib=_peak_extra_gib(lambda: step(True)),
+            peak_extra_gib_no_lse=_peak_extra_gib(lambda: step(False)),
         )
         q_idx.grad = k_idx.grad = None
         if sweep and T == sweep_T:
@@ -187,14 +179,7 @@ def ptxas_report(configs=("sm90",), arch: int = 90, T: int = 131072, shape: dict
     specialisation the JIT would apply at the M3 shape, and report registers / spills / shared
     memory per kernel and config.  A kernel over 255 registers spills; over 227 KB of shared
     memory (sm_90) it cannot launch."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from msakit._cuda_compile import compile_cuda, res_usage
 
     from . import triton as K
 
@@ -202,61 +187,33 @@ def ptxas_report(configs=("sm90",), arch: int = 90, T: int = 131072, shape: dict
     G, D, Di, bs, topk = (shp[k] for k in ("G", "D", "Di", "block_size", "topk"))
     hpg = shp["Hq"] // G
     Hq = shp["Hq"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    target = GPUTarget("cuda", arch, 32)
-    vals = dict(q_ptr="bf16", k_ptr="bf16", qi_ptr="bf16", ki_ptr="bf16", q_index_ptr="i32", q_slot_ptr="i32",
-                tile_key_ptr="i32", tile_start_ptr="i32", tile_count_ptr="i32", blk_start_ptr="i64",
-                blk_end_ptr="i64", lse_ptr="fp32", lsei_ptr="fp32", kl_part_ptr="fp32", dq_ptr="fp32",
-                dk_ptr="fp32", part_h_ptr="fp32", part_i_ptr="fp32", part_ptr="fp32", out_ptr="fp32",
+    args = dict(q_ptr="*bf16", k_ptr="*bf16", qi_ptr="*bf16", ki_ptr="*bf16", q_index_ptr="*i32", q_slot_ptr="*i32",
+                tile_key_ptr="*i32", tile_start_ptr="*i32", tile_count_ptr="*i32", blk_start_ptr="*i64",
+                blk_end_ptr="*i64", lse_ptr="*fp32", lsei_ptr="*fp32", kl_part_ptr="*fp32", dq_ptr="*fp32",
+                dk_ptr="*fp32", part_h_ptr="*fp32", part_i_ptr="*fp32", part_ptr="*fp32", out_ptr="*fp32",
                 T=T, NB=T // bs, bsz=bs, K=topk, n_items=T * Hq,
                 sq_b=T * Hq * D, sq_t=Hq * D, sq_h=D, sk_b=T * G * D, sk_t=G * D, sk_g=D,
                 sqi_b=T * G * Di, sqi_t=G * Di, sqi_g=Di, ski_b=T * Di, ski_t=Di,
-                scale_log2=0.1, iscale=0.1, iscale_log2=0.1, grad_scale=0.1)
+                scale_log2=0.1, iscale=0.1, iscale_log2=0.1, grad_scale=0.1)  # pointers, ints, floats
 
-    def build(fn, consts, num_warps, num_stages, tmp):
-        sig, attrs, consts = {}, {}, dict(consts)
-        for i, n in enumerate(fn.arg_names):
-            if n in consts:
-                sig[n] = "constexpr"
-                continue
-            v = vals[n]
-            if isinstance(v, str):
-                sig[n], attrs[(i,)] = "*" + v, [["tt.divisibility", 16]]
-            elif isinstance(v, float):
-                sig[n] = "fp32"
-            elif v == 1:  # the JIT turns 1 into a constant
-                sig[n], consts[n] = "constexpr", 1
-            else:
-                sig[n] = "i64" if abs(v) >= 2**31 else "i32"
-                if v % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
-        path = os.path.join(tmp, fn.__name__ + ".ptx")
-        with open(path, "w") as fh:
-            fh.write(k.asm["ptx"])
-        sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
-        out = subprocess.run([ptxas, f"-arch={sm}", "-v", path, "-o", path + ".cubin"], capture_output=True,
-                             text=True).stderr
-        regs = re.search(r"Used (\d+) registers", out)
-        spill = re.search(r"(\d+) bytes spill stores", out)
-        return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None,
-                    smem_bytes=k.metadata.shared)
+    def build(fn, consts, num_warps, num_stages):
+        k = compile_cuda(fn, args, consts, capability=arch, num_warps=num_warps, num_stages=num_stages)
+        u = res_usage(k)
+        return dict(registers=u["registers"], spill_bytes=u["stack"], smem_bytes=u["shared"])
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in configs:
-            cfg = K.pick_config(torch.device("cuda"), hpg, name)
-            common = dict(G=G, HPG=hpg, QT=cfg["QT"], D=D, DI=Di, BS=K._np2(bs), BD=K._np2(D), BDI=K._np2(Di),
-                          VARLEN=False, PREC_QK="tf32", PREC_IDX="tf32")
-            rows.append(dict(config=name, kernel="kl", **build(
-                K._kl_kernel, dict(common, HC=cfg["HC"], GRAD=True, FLAT=cfg["FLAT"]), cfg["num_warps"],
-                cfg["num_stages"], tmp)))
-            rows.append(dict(config=name, kernel="stats_heads", **build(
-                K._stats_kernel, dict(common, HC=cfg["ST_HC"], HEADS=True, IDX=True), cfg["num_warps"],
-                cfg["ST_STAGES"], tmp)))
-            rows.append(dict(config=name, kernel="stats_idx", **build(
-                K._stats_kernel, dict(common, HC=1, HEADS=False, IDX=True), cfg["num_warps"], cfg["ST_STAGES"], tmp)))
+    for name in configs:
+        cfg = K.pick_config(torch.device("cuda"), hpg, name)
+        common = dict(G=G, HPG=hpg, QT=cfg["QT"], D=D, DI=Di, BS=K._np2(bs), BD=K._np2(D), BDI=K._np2(Di),
+                      VARLEN=False, PREC_QK="tf32", PREC_IDX="tf32")
+        rows.append(dict(config=name, kernel="kl", **build(
+            K._kl_kernel, dict(common, HC=cfg["HC"], GRAD=True, FLAT=cfg["FLAT"]), cfg["num_warps"],
+            cfg["num_stages"])))
+        rows.append(dict(config=name, kernel="stats_heads", **build(
+            K._stats_kernel, dict(common, HC=cfg["ST_HC"], HEADS=True, IDX=True), cfg["num_warps"],
+            cfg["ST_STAGES"])))
+        rows.append(dict(config=name, kernel="stats_idx", **build(
+            K._stats_kernel, dict(common, HC=1, HEADS=False, IDX=True), cfg["num_warps"], cfg["ST_STAGES"])))
     return rows
 
 

@@ -12,10 +12,11 @@ of the full reference's O(T^2).  It is tested against `index_topk_reference` on 
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
+from .._bench import peak_extra as _peak_extra
+from .._bench import time_ms
 from .reference import fp8_scoring_inputs
 
 M3_SHAPE = dict(G=4, Di=128, block_size=128, topk=16)
@@ -161,41 +162,12 @@ def sample_rows(B: int, G: int, T: int, n: int, generator: torch.Generator) -> t
     return torch.cat([fb, rb])[:n], torch.cat([fg, rg])[:n], torch.cat([fi, ri])[:n]
 
 
-# ----------------------------------------------------------------------------- timing
+# ----------------------------------------------------------------------------- entry point
+
 
 def _time_ms(fn) -> float:
-    """Median milliseconds: triton.testing.do_bench for short calls, 3 timed runs for long ones."""
-    import triton.testing
+    return time_ms(fn, long_ms=100.0, rep=100)
 
-    fn()  # compile / warm up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once = (time.perf_counter() - t0) * 1e3
-    if once < 100.0:
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    times = []
-    for _ in range(3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return float(sorted(times)[1])
-
-
-def _peak_extra(fn) -> tuple[int, torch.Tensor]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    return int(torch.cuda.max_memory_allocated() - base), out
-
-
-# ----------------------------------------------------------------------------- entry point
 
 def check_and_bench(
     T_list=(16384, 65536, 131072, 262144, 1048576),

@@ -633,12 +633,6 @@ def _shfl_checked(args, grid, constexprs, options) -> bool:
 
 # ----------------------------------------------------------------------------- ahead-of-time check
 
-_TRITON_DTYPES = {
-    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-    torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32",
-}
-
-
 def compile_for(q, k, k_scale=None, *, capability: int = 90, **kw):
     """Compile (not run) the kernel a `launch` with these arguments would use, for a CUDA target.
 
@@ -647,35 +641,13 @@ def compile_for(q, k, k_scale=None, *, capability: int = 90, **kw):
     multiple of 16 -> divisibility hint; pointers are assumed 16-byte aligned).  Returns the
     triton CompiledKernel (asm["ttgir"], asm["ptx"], asm["cubin"], metadata.shared).
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from msakit._cuda_compile import compile_cuda
 
     if interpret_mode():
         raise RuntimeError("compile_for needs TRITON_INTERPRET unset (the kernel is interpreted otherwise)")
     _, _, args, constexprs, options = _prepare(q, k, k_scale, **kw)
-    names = _index_topk_kernel.arg_names
-    sig, consts, attrs = {}, {}, {}
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    for name, val in zip(names, args):
-        i = names.index(name)
-        if isinstance(val, TensorDescriptor):
-            sig[name] = f"tensordesc<{_TRITON_DTYPES[val.base.dtype]}[{', '.join(map(str, val.block_shape))}]>"
-        elif isinstance(val, torch.Tensor):
-            sig[name] = "*" + _TRITON_DTYPES[val.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif val == 1:
-            sig[name] = "constexpr"
-            consts[(i,)] = 1
-        else:
-            sig[name] = "i32" if abs(val) < 2**31 else "i64"
-            if val % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    for name, val in constexprs.items():
-        sig[name] = "constexpr"
-        consts[(names.index(name),)] = val
-    src = ASTSource(fn=_index_topk_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+    return compile_cuda(_index_topk_kernel, dict(zip(_index_topk_kernel.arg_names, args)), constexprs,
+                        capability=capability, **options)
 
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
@@ -805,18 +777,11 @@ def resource_usage(compiled, num_warps: int | None = None) -> dict:
     (WARPGROUP.DEPBAR), CTA barriers, and `wait_then_alu`: the wait comes right after the last
     wgmma of the block, before the block's reduction (no MMA/ALU overlap inside a warpgroup).
     """
-    import os
     import re
-    import subprocess
-    import tempfile
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    from msakit._cuda_compile import cuobjdump
+
+    res, sass = cuobjdump(compiled)
     reg = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
     regs = int(reg.group(1)) if reg else -1

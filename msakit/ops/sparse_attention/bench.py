@@ -20,6 +20,9 @@ import time
 
 import torch
 
+from .._bench import peak_extra as _peak_extra
+from .._bench import rel_err
+from .._bench import time_ms as _time_ms
 from .reference import sparse_attention_reference
 
 M3_SHAPE = dict(Hq=64, G=4, D=128, block_size=128, topk=16)
@@ -100,51 +103,6 @@ def sample_rows(T: int, n: int, block_size: int, generator: torch.Generator) -> 
     fixed = torch.tensor(sorted({0, T - 1, min(T - 1, block_size - 1), min(T - 1, block_size)}))
     rnd = torch.randint(0, T, (max(0, n - fixed.numel()),), generator=generator)
     return torch.cat([fixed, rnd])[:n]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| over the finite entries of b (float64)."""
-    a, b = a.double(), b.double()
-    fin = torch.isfinite(b)
-    a, b = torch.where(fin, a, 0.0), torch.where(fin, b, 0.0)
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
-# ----------------------------------------------------------------------------- timing
-
-def _time_ms(fn, grad_to_none=None) -> float:
-    """Median milliseconds: triton.testing.do_bench for short calls, 3 timed runs for long ones."""
-    import triton.testing
-
-    fn()  # compile / warm up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once = (time.perf_counter() - t0) * 1e3
-    if once < 200.0:
-        return float(triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"))
-    times = []
-    for _ in range(3):
-        if grad_to_none:
-            for t in grad_to_none:
-                t.grad = None
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return float(sorted(times)[1])
-
-
-def _peak_extra(fn) -> tuple[int, object]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    return int(torch.cuda.max_memory_allocated() - base), out
 
 
 # ----------------------------------------------------------------------------- entry point

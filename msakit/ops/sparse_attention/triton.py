@@ -67,14 +67,13 @@ Inputs: fp16/bf16 on the GPU (fp32 too under the interpreter), block_size and he
 bundled ptxas: none spills at M3's shape); `bench.check_and_bench(sweep=True)` times them,
 `bench.gpu_run()` sweeps them quickly and profiles ablations (`ablate=` of both launchers:
 no partial stores, no Q gather, no merge / reduce...; timing only).
-Measured (H200, 128K, M3; benchmarks/NOTES.md runs 3-7): forward kernel 24.4 ms + merge 10.2
-ms + work list ~3 ms (216 TFLOP/s end to end; the work list's cummin/cummax scans took 45 ms
-before they became binary searches); backward kernel 63 ms.  ncu (16K): IPC 1.47, issue slots
-37% busy, stalls spread over long scoreboard / wait / barrier (the output's layout change
-through shared memory) -- latency-bound with one warpgroup per CTA and two CTAs per SM.  The forward's loop had a
-generic->async proxy fence per sub-tile (Q written to shared memory for wgmma), which ptxas
-emits as MEMBAR.ALL.CTA: it waits for the previous sub-tile's partial stores to drain.
-QREG (default config) feeds Q to wgmma from registers: no fence in the loop.
+Measured (H200, 128K, M3; benchmarks/NOTES.md runs 3-7): forward kernel 24.4 ms + merge
+10.2 ms + work list ~3 ms (216 TFLOP/s end to end; the work list's cummin / cummax scans took
+45 ms before they became binary searches); backward kernel 63 ms.  ncu (16K): IPC 1.47, issue
+slots 37% busy, stalls spread over long scoreboard / wait / barrier (the output's layout change
+through shared memory): latency-bound with one warpgroup per CTA and two CTAs per SM.  QREG
+(Q fed to wgmma from registers, which removes the in-loop generic->async proxy fence) measured
+slower (91.8 vs 85.1 ms in run 3), so the default config keeps Q in shared memory.
 """
 
 from __future__ import annotations
@@ -265,6 +264,35 @@ def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Item pid's first entry, group, key-block start token, and the block's K and V
+    [BLOCK_N, BLOCK_D] (zeros past the block, the batch or for a padding item), with their
+    flat row offsets and mask (for the backward's dK / dV flush)."""
+    key = tl.load(IT_KEY + pid).to(tl.int64)
+    start = tl.load(IT_START + pid).to(tl.int64)
+    g = key // N
+    tok0 = key - g * N
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_tok = tok0 + offs_n
+    kv_ok = (offs_n < BS) & (kv_tok < N) & (count > 0)
+    kv_row = (kv_tok * G + g) * D
+    kv_mask = kv_ok[:, None] & (offs_d < D)[None, :]
+    kb = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    vb = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return start, g, tok0, kb, vb, kv_row, kv_mask
+
+
+@triton.jit
+def _needs_causal_mask(row_ok, rel, BLOCK_N: tl.constexpr):
+    """Whether a valid row sits inside the key's block (its own, diagonal block) or the block
+    is partial: elsewhere every key of the block is visible and the mask can be skipped (~130
+    instructions per thread; rows that are not valid compute on zero Q rows, never stored)."""
+    return tl.min(tl.where(row_ok, rel, BLOCK_N)) < BLOCK_N - 1
+
+
+@triton.jit
 def _sa_fwd_kernel(
     Q, K, V, OP, LP,
     ENT_Q, IT_KEY, IT_START, IT_COUNT,
@@ -287,20 +315,10 @@ def _sa_fwd_kernel(
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
         if count == 0:
             return
-    key = tl.load(IT_KEY + pid).to(tl.int64)
-    start = tl.load(IT_START + pid).to(tl.int64)
-    g = key // N
-    tok0 = key - g * N
-
+    start, g, tok0, kb, vb, kv_row, kv_mask = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G, D, BS, BLOCK_N, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    kv_tok = tok0 + offs_n
-    kv_ok = (offs_n < BS) & (kv_tok < N) & (count > 0)
-    kv_row = (kv_tok * G + g) * D
-    kv_mask = kv_ok[:, None] & d_ok[None, :]
-    kb = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    vb = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
     offs_m = tl.arange(0, BLOCK_M)
     r_q = offs_m // HPG
@@ -349,10 +367,7 @@ def _sa_fwd_kernel(
         rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
         if BS < BLOCK_N:
             rel = tl.minimum(rel, BS - 1)
-        # the causal mask only matters where a valid row sits inside the key's block (its own,
-        # diagonal block) or the block is partial: skip ~130 instructions per thread otherwise
-        # (rows that are not valid compute on zero Q rows and are never stored)
-        if tl.min(tl.where(row_ok, rel, BLOCK_N)) < BLOCK_N - 1:
+        if _needs_causal_mask(row_ok, rel, BLOCK_N):
             s = tl.where(offs_n[None, :] <= rel[:, None], s, float("-inf"))
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -476,20 +491,10 @@ def _sa_bwd_kernel(
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
         if count == 0:
             return
-    key = tl.load(IT_KEY + pid).to(tl.int64)
-    start = tl.load(IT_START + pid).to(tl.int64)
-    g = key // N
-    tok0 = key - g * N
-
+    start, g, tok0, kb, vb, kv_row, kv_mask = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G, D, BS, BLOCK_N, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    kv_tok = tok0 + offs_n
-    kv_ok = (offs_n < BS) & (kv_tok < N) & (count > 0)
-    kv_row = (kv_tok * G + g) * D
-    kv_mask = kv_ok[:, None] & d_ok[None, :]
-    kb = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    vb = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -551,7 +556,7 @@ def _sa_bwd_kernel(
         if BS < BLOCK_N:
             rel = tl.minimum(rel, BS - 1)
         pT = tl.exp2(sT - lse2[None, :])
-        if tl.min(tl.where(row_ok, rel, BLOCK_N)) < BLOCK_N - 1:  # diagonal / partial block only
+        if _needs_causal_mask(row_ok, rel, BLOCK_N):
             pT = tl.where(offs_n[:, None] <= rel[None, :], pT, 0.0)
         dv += _mm(pT.to(dob.dtype), dob, PREC, UPCAST)
         dpT = _mm(vb, tl.trans(dob), PREC, UPCAST)

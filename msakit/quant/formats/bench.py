@@ -39,10 +39,7 @@ with warmup=10, rep=40.  ``best(rows)`` picks the fastest variant per op and sha
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import subprocess
-import tempfile
 
 import torch
 
@@ -340,37 +337,12 @@ def _kernel_specs(dtype: torch.dtype, tile_elems: dict, num_warps: int, packed_c
 
 
 def _compile(kernel, args: dict, num_warps: int, capability: int):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """args: type strings for the runtime arguments, values for the constexprs."""
+    from msakit._cuda_compile import compile_cuda
 
-    names = kernel.arg_names
-    sig, consts, attrs = {}, {}, {}
-    for name in names:
-        i = names.index(name)
-        val = args[name]
-        if isinstance(val, str):
-            sig[name] = val
-            if val.startswith("*") or name == "n_blocks":
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "constexpr"
-            consts[(i,)] = val
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
-
-
-def _cuobjdump(compiled) -> tuple[str, str]:
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    return res, sass
+    rt = {n: v for n, v in args.items() if isinstance(v, str)}
+    consts = {n: v for n, v in args.items() if not isinstance(v, str)}
+    return compile_cuda(kernel, rt, consts, aligned=("n_blocks",), capability=capability, num_warps=num_warps)
 
 
 _INT_CVT = {"cvt.u64.u32", "cvt.s64.s32", "cvt.u32.u64", "cvt.u16.u32", "cvt.u32.u16", "cvt.rzi.s32.f32"}
@@ -406,6 +378,8 @@ def compile_kernels(dtype: torch.dtype = torch.bfloat16, *, tile_elems: dict | N
     (LDL/STL), shared, sass (main-path instructions), sass_per_elem, ld_v4 / st_v4 (16-byte
     global accesses in the PTX) / ld / st (all global accesses), cvt (the PTX conversions),
     asm (the inline PTX instructions used)."""
+    from msakit._cuda_compile import cuobjdump
+
     from . import triton as T
 
     if T._interpreting():
@@ -417,7 +391,7 @@ def compile_kernels(dtype: torch.dtype = torch.bfloat16, *, tile_elems: dict | N
         if "CMP" in args and args["CMP"]:
             name += f"[{packed_compare}]"
         ck = _compile(kernel, args, nw, capability)
-        res, sass = _cuobjdump(ck)
+        res, sass = cuobjdump(ck)
         ptx = ck.asm["ptx"]
         main = _main_path(sass)
         reg, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
