@@ -16,14 +16,7 @@ from msakit.train.trainer import TrainConfig, Trainer, read_metrics
 
 from toy_model import make_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Toy-sized ops: one intra-op thread is faster, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -8,20 +8,12 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-import torch
 
 from msakit.cli import main
 
 from toy_model import toy_config
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Toy-sized ops: one intra-op thread is faster, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -13,15 +13,7 @@ from msakit.models.convert import MSAWrappedModel, convert_dense_to_msa, load_fo
 
 transformers = pytest.importorskip("transformers")
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on a loaded 2-core machine run ~1000x slower with 2 intra-op threads (spin/yield
-    contention); one thread keeps these tests fast. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dense_m3() -> M3ForCausalLM:

@@ -7,19 +7,11 @@ import os
 import time
 
 import pytest
-import torch
 
 from msakit.cli import main
 from msakit.train import demo
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Toy-sized ops: one intra-op thread is faster, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_demo_pipeline_at_toy_size(tmp_path, monkeypatch, capsys):

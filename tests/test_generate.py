@@ -8,15 +8,7 @@ import torch
 from msakit.generate import KVCache, generate, generate_uncached, sample_next
 from msakit.models import M3Config, M3ForCausalLM
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on a loaded 2-core machine run ~1000x slower with 2 intra-op threads (spin/yield
-    contention); one thread keeps these tests fast. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_for(mode: str, seed: int = 0) -> M3ForCausalLM:

@@ -13,13 +13,7 @@ from msakit.ops._dispatch import interpret_mode
 BACKENDS = ["reference"] + (["triton"] if (torch.cuda.is_available() or interpret_mode()) else [])
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_for(mode: str, seed: int = 0) -> M3ForCausalLM:

@@ -14,15 +14,7 @@ from msakit import cost
 from msakit.models import M3Config, M3ForCausalLM
 from msakit.models.io import INDEX_FILE, SINGLE_FILE, hf_state_items
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on a loaded 2-core machine run ~1000x slower with 2 intra-op threads (spin/yield
-    contention); one thread keeps these tests fast. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 FLASH, M3 = "minimax-m3.1-flash", "minimax-m3"

@@ -11,15 +11,7 @@ from msakit.nn import moe as moe_mod
 from msakit.nn.mlp import SwiGLUMLP, swiglu_oai
 from msakit.nn.moe import GroupedExperts, MoE, grouped_mm, route
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on a loaded 2-core machine run ~1000x slower with 2 intra-op threads (spin/yield
-    contention); one thread keeps these tests fast. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _sig(x: float) -> float:

@@ -18,13 +18,7 @@ from msakit.spec.generate import SpecCache, draft_context_update, draft_hidden, 
 from msakit.spec.train import DrafterTrainConfig, DrafterTrainer, dspark_loss
 from msakit.spec.verify import sampling_probs
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_target(vocab: int = 64, seed: int = 0, mode: str = "sparse") -> M3ForCausalLM:

@@ -13,13 +13,7 @@ from msakit.spec import DSparkConfig, DSparkDrafter, speculative_generate
 from msakit.spec.generate import SpecCache, draft_context_update, draft_hidden, target_forward
 from msakit.spec.verify import sampling_probs
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def bigram_pair(mode: str = "sparse", *, head_scale: float = 20.0, layer_scale: float = 0.5, vocab: int = 64):

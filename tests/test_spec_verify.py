@@ -14,13 +14,7 @@ from msakit.spec.verify import confidence_budget, sample_probs, sampling_probs, 
 N = 200_000
 ALPHA = 1e-6  # significance of each chi-square test (seeded, so deterministic; tiny to stay robust)
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
