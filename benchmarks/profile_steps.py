@@ -68,7 +68,7 @@ def small_model(vocab: int, max_pos: int, mode: str) -> M3ForCausalLM:
 
 
 @torch.no_grad()
-def decode(out: Path, ctx: int, new: int) -> dict:
+def decode(out: Path, ctx: int, new: int, only: str = "") -> dict:
     from msakit.spec import DSparkConfig, DSparkDrafter, autoregressive_generate, speculative_generate
 
     torch.manual_seed(0)
@@ -84,6 +84,8 @@ def decode(out: Path, ctx: int, new: int) -> dict:
         "speculative": lambda n: speculative_generate(model, drafter, ids, n, temperature=0.0),
     }
     for name, fn in runs.items():
+        if only and name not in only.split(","):
+            continue
         try:
             fn(4)
             t_pre = wall(lambda: fn(1))
@@ -108,7 +110,7 @@ def qat(out: Path, batch: int, ctx: int) -> dict:
     base = small_model(4096, ctx, "dense").cuda()
     ids = torch.randint(0, 4096, (batch, ctx), device="cuda")
     res = {"batch": batch, "context": ctx}
-    fh = open(out / "profile_steps_qat.txt", "w")
+    fh = open(out / "profile_steps_qat.txt", "a")
     import copy
 
     for name in ("bf16", "qat"):
@@ -148,16 +150,16 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--train-ctx", type=int, default=512)
+    ap.add_argument("--decode-runs", default="", help="comma-separated subset of the decode runs")
+    ap.add_argument("--qat-shapes", default="32x512", help="comma-separated BATCHxCONTEXT training shapes")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {}
     if "decode" in args.what:
-        res["decode"] = decode(out, args.ctx, args.new)
+        res["decode"] = decode(out, args.ctx, args.new, args.decode_runs)
     if "qat" in args.what:
-        res["qat"] = qat(out, args.batch, args.train_ctx)
+        res["qat"] = [qat(out, *map(int, sh.split("x"))) for sh in args.qat_shapes.split(",")]
     import json
 
     (out / "profile_steps.json").write_text(json.dumps(res, indent=1))

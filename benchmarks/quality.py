@@ -284,7 +284,7 @@ def train_config(p: dict, spec: dict):
                        kl_coef=spec["kl"], dense_warmup_steps=spec["warmup"], log_every=max(1, min(10, steps // 10)),
                        eval_every=p["eval_every"], eval_rows=p["train_eval_rows"],
                        recall_rows=0 if spec["window"] or spec["kl"] == 0 else 1, save_every=p["save_every"],
-                       keep_checkpoints=1, seed=0 if scratch else 1)
+                       keep_checkpoints=1, seed=p.get("seed", 0) + (0 if scratch else 1))
 
 
 def final_checkpoint(run_dir: Path) -> Path | None:
@@ -301,7 +301,7 @@ def build_model(name: str, spec: dict, p: dict, vocab: int, root: Path):
 
     cfg = base_config(p, vocab, spec["block"], spec["topk"])
     if spec["kind"] == "scratch":
-        torch.manual_seed(0)
+        torch.manual_seed(p.get("seed", 0))
         model = M3ForCausalLM(cfg)
     else:
         src = final_checkpoint(root / spec["source"])
@@ -318,7 +318,7 @@ def build_model(name: str, spec: dict, p: dict, vocab: int, root: Path):
             sd = {k: v for k, v in dense.state_dict().items() if ".index_" not in k}
             plain.load_state_dict(sd, strict=True)
             model = convert_dense_to_msa(plain, block_size=spec["block"], topk_blocks=spec["topk"],
-                                         local_blocks=1, init_blocks=0, seed=0)
+                                         local_blocks=1, init_blocks=0, seed=p.get("seed", 0))
     if spec["window"]:
         enable_window(model)
     return model
@@ -643,6 +643,63 @@ def plot_curves(root: Path, res: dict[str, dict], path: Path, p: dict) -> Path |
     return path
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def mean_results(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
+    """Every sub-run finished under at least one seed, with val loss, long-file buckets, probe loss and
+    recall averaged over the seeds that have it (``seeds``: how many; ``val_loss_seeds``: each)."""
+    import copy
+
+    names = sorted(set().union(*(set(r) for r in per_seed))) if per_seed else []
+    out = {}
+    for n in names:
+        rs = [r[n] for r in per_seed if n in r]
+        m = copy.deepcopy(rs[0])
+        m["val_loss"] = _mean([x["val_loss"] for x in rs])
+        m["val_loss_seeds"] = [x["val_loss"] for x in rs]
+        m["seeds"] = len(rs)
+        if all(x.get("long") for x in rs):
+            m["long"]["buckets"] = {k: _mean([x["long"]["buckets"][k] for x in rs]) for k in rs[0]["long"]["buckets"]}
+        if all(x.get("probe") for x in rs):
+            m["probe"]["loss"] = _mean([x["probe"]["loss"] for x in rs])
+            m["probe"]["loss_seeds"] = [x["probe"]["loss"] for x in rs]
+        if all(x.get("recall") for x in rs):
+            for k in ("recall", "recall_far"):
+                m["recall"][k] = _mean([x["recall"][k] for x in rs])
+        out[n] = m
+    return out
+
+
+def report_seeds(roots: list[Path], p: dict, device: torch.device) -> int:
+    """The claims on seed-averaged results, and each seed's own verdicts (is a claim's sign stable?)."""
+    per_seed = [load_results(r) for r in roots]
+    per_seed = [r for r in per_seed if r]
+    if len(per_seed) < 2:
+        log(f"need finished sub-runs under at least two roots, got {len(per_seed)}")
+        return 1
+    res = mean_results(per_seed)
+    rows = claims(res, p["context"])
+    seed_rows = [claims(r, p["context"]) for r in per_seed]
+    for row, *each in zip(rows, *seed_rows):
+        row["per_seed"] = [f"{e['value']} {e['verdict']}" for e in each]
+    text = table_text(res, p["context"], rows)
+    text += "\n\nper seed (" + ", ".join(str(r) for r in roots) + "):\n" + "\n".join(
+        f"- {r['claim']}: " + " | ".join(r["per_seed"]) for r in rows)
+    text += "\n\nval loss per seed:\n" + "\n".join(
+        f"- {n}: " + ", ".join(f"{v:.4f}" for v in res[n]["val_loss_seeds"]) for n in sorted(res))
+    info = env_info()
+    gpu = "cpu" if device.type != "cuda" else (info.get("gpu") or "gpu").replace(" ", "_")
+    payload = {"issue": "Does MSA keep quality? Reproduce the paper's claims at small scale (seed average)",
+               "env": info, "preset": p, "roots": [str(r) for r in roots], "seeds": len(per_seed),
+               "mean_results": res, "claims": rows, "per_seed_results": per_seed, "table": text}
+    path = save_json(f"quality_{gpu}_seeds.json", payload)
+    log(text)
+    log(f"\nwrote {path}")
+    return 0
+
+
 def report(root: Path, p: dict, tiny: bool, device: torch.device) -> int:
     res = load_results(root)
     if not res:
@@ -653,6 +710,7 @@ def report(root: Path, p: dict, tiny: bool, device: torch.device) -> int:
     gpu = "cpu-tiny" if tiny else ("cpu" if device.type != "cuda" else (info.get("gpu") or "gpu").replace(" ", "_"))
     rows = claims(res, p["context"])
     text = table_text(res, p["context"], rows)
+    gpu += f"_seed{p['seed']}" if p.get("seed") else ""
     png = plot_curves(root, res, RESULTS / f"quality_{gpu}_loss.png", p)
     specs = run_specs(p)
     payload = {
@@ -694,6 +752,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--root", default=None, help="folder of the sub-runs (default runs/quality[-tiny])")
     ap.add_argument("--steps", type=int, default=None, help="override the from-scratch steps (all runs must agree)")
     ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="initialisation / data-order seed (default root runs/quality-seedN for N > 0)")
+    ap.add_argument("--seed-roots", default=None,
+                    help="with --report: comma-separated roots of the same runs under different seeds; "
+                         "report seed-averaged claims")
     args = ap.parse_args(argv)
     t_start = time.time()
     p = dict(PRESETS["tiny" if args.tiny else "gpu"])
@@ -702,10 +765,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch_size:
         p["batch"] = args.batch_size
     repo = Path(__file__).resolve().parents[1]
-    root = Path(args.root) if args.root else repo / "runs" / ("quality-tiny" if args.tiny else "quality")
+    p["seed"] = args.seed
+    sfx = f"-seed{args.seed}" if args.seed else ""
+    root = Path(args.root) if args.root else repo / "runs" / (("quality-tiny" if args.tiny else "quality") + sfx)
     from msakit.train.trainer import resolve_device
 
     device = resolve_device(args.device) if not args.report else torch.device("cpu")
+    if args.report and args.seed_roots:
+        return report_seeds([Path(x) for x in args.seed_roots.split(",") if x],
+                            p, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if args.report:
         return report(root, p, args.tiny, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if args.tiny:
