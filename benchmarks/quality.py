@@ -647,7 +647,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def mean_results(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
+def mean_results(per_seed: list[dict[str, dict]], context: int) -> dict[str, dict]:
     """Every sub-run finished under at least one seed, with val loss, long-file buckets, probe loss and
     recall averaged over the seeds that have it (``seeds``: how many; ``val_loss_seeds``: each)."""
     import copy
@@ -660,7 +660,9 @@ def mean_results(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
         m["val_loss"] = _mean([x["val_loss"] for x in rs])
         m["val_loss_seeds"] = [x["val_loss"] for x in rs]
         m["seeds"] = len(rs)
+        far = bucket_label(context // 2, context)
         if all(x.get("long") for x in rs):
+            m["long_far_seeds"] = [x["long"]["buckets"].get(far) for x in rs if far in x["long"]["buckets"]]
             m["long"]["buckets"] = {k: _mean([x["long"]["buckets"][k] for x in rs]) for k in rs[0]["long"]["buckets"]}
         if all(x.get("probe") for x in rs):
             m["probe"]["loss"] = _mean([x["probe"]["loss"] for x in rs])
@@ -672,6 +674,42 @@ def mean_results(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
     return out
 
 
+def plot_seeds(res: dict[str, dict], path: Path, context: int) -> Path | None:
+    """Per sub-run: each seed's value (dots) and the mean (bar) of val loss, far-context loss and probe loss."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    order = [n for n in ("dense", "msa", "window", "bs32", "bs128", "dense_ext", "convert") if n in res]
+    far = bucket_label(context // 2, context)
+    panels = [("validation loss", lambda r: r["val_loss_seeds"]),
+              (f"long files, far bucket ({far})", lambda r: r.get("long_far_seeds") or []),
+              ("retrieval probe loss", lambda r: (r.get("probe") or {}).get("loss_seeds") or [])]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (title, get) in zip(axes, panels):
+        for i, n in enumerate(order):
+            ys = get(res[n])
+            if not ys:
+                continue
+            ax.bar(i, sum(ys) / len(ys), color="#9ecae1" if n not in ("window",) else "#fdae6b", width=0.6)
+            ax.plot([i] * len(ys), ys, "o", color="k", ms=4)
+        ax.set_xticks(range(len(order)), ["msa (bs64)" if n == "msa" else n for n in order], rotation=30)
+        lo = min((min(get(res[n])) for n in order if get(res[n])), default=0)
+        hi = max((max(get(res[n])) for n in order if get(res[n])), default=1)
+        ax.set_ylim(lo - 0.1 * (hi - lo + 1e-3), hi + 0.1 * (hi - lo + 1e-3))
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("quality sub-runs: mean over seeds (bar) and each seed (dots); lower is better")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def report_seeds(roots: list[Path], p: dict, device: torch.device) -> int:
     """The claims on seed-averaged results, and each seed's own verdicts (is a claim's sign stable?)."""
     per_seed = [load_results(r) for r in roots]
@@ -679,7 +717,7 @@ def report_seeds(roots: list[Path], p: dict, device: torch.device) -> int:
     if len(per_seed) < 2:
         log(f"need finished sub-runs under at least two roots, got {len(per_seed)}")
         return 1
-    res = mean_results(per_seed)
+    res = mean_results(per_seed, p["context"])
     rows = claims(res, p["context"])
     seed_rows = [claims(r, p["context"]) for r in per_seed]
     for row, *each in zip(rows, *seed_rows):
@@ -695,8 +733,9 @@ def report_seeds(roots: list[Path], p: dict, device: torch.device) -> int:
                "env": info, "preset": p, "roots": [str(r) for r in roots], "seeds": len(per_seed),
                "mean_results": res, "claims": rows, "per_seed_results": per_seed, "table": text}
     path = save_json(f"quality_{gpu}_seeds.json", payload)
+    png = plot_seeds(res, RESULTS / f"quality_{gpu}_seeds.png", p["context"])
     log(text)
-    log(f"\nwrote {path}")
+    log(f"\nwrote {path}" + (f" and {png}" if png else ""))
     return 0
 
 

@@ -103,6 +103,10 @@ def test_recipes():
     assert {f for k, f in x.items() if ".experts." in k or "proj" in k} == {"mxfp8"}
     b = quantization_plan(m, "bf16")
     assert set(b.values()) == {"bf16", "fp32"}
+    a = quantization_plan(m, "nvfp4")  # stress recipe: every stack weight NVFP4
+    assert {f for k, f in a.items() if ".experts." in k or "proj" in k} == {"nvfp4"}
+    assert a["lm_head"] == "bf16" and a["model.embed_tokens"] == "bf16"
+    assert {f for k, f in a.items() if k.endswith("block_sparse_moe.gate")} == {"fp32"}
 
 
 def test_other_config_forms():

@@ -13,15 +13,17 @@ routing-correction bias are not in a plan (they are small and never quantized).
 
 Recipes (`quantization_plan(model, recipe)`), by module role:
 
-| role | m3.1-flash | nvfp4-experts | mxfp8 | bf16 |
-|---|---|---|---|---|
-| routed experts (``experts.E.w1/w3/w2``) | nvfp4 | nvfp4 | mxfp8 | bf16 |
-| attention ``q/k/v/o_proj``, index ``index_q/k_proj`` | mxfp8 | bf16 | mxfp8 | bf16 |
-| shared experts, dense MLPs (``gate/up/down_proj``) | mxfp8 | bf16 | mxfp8 | bf16 |
-| router ``block_sparse_moe.gate`` | fp32 | fp32 | fp32 | fp32 |
-| ``model.embed_tokens``, ``lm_head`` (and any other module) | bf16 | bf16 | bf16 | bf16 |
+| role | m3.1-flash | nvfp4-experts | nvfp4 | mxfp8 | bf16 |
+|---|---|---|---|---|---|
+| routed experts (``experts.E.w1/w3/w2``) | nvfp4 | nvfp4 | nvfp4 | mxfp8 | bf16 |
+| attention ``q/k/v/o_proj``, index ``index_q/k_proj`` | mxfp8 | bf16 | nvfp4 | mxfp8 | bf16 |
+| shared experts, dense MLPs (``gate/up/down_proj``) | mxfp8 | bf16 | nvfp4 | mxfp8 | bf16 |
+| router ``block_sparse_moe.gate`` | fp32 | fp32 | fp32 | fp32 | fp32 |
+| ``model.embed_tokens``, ``lm_head`` (and any other module) | bf16 | bf16 | bf16 | bf16 | bf16 |
 
-"m3.1-flash" is the released MiniMax-M3.1-Flash layout (ModelOpt ``MIXED_PRECISION``); NVFP4
+"nvfp4" (every transformer-stack weight NVFP4, weight-only like the experts) is a stress recipe:
+its PTQ loss gap is large enough to measure what QAT recovers on small models, where the
+released recipe's gap is within noise.  "m3.1-flash" is the released MiniMax-M3.1-Flash layout (ModelOpt ``MIXED_PRECISION``); NVFP4
 w1 and w3 of one expert share one global scale (`nvfp4_scale_groups`).  Blocks run along the
 input dimension K (NVFP4 16, MXFP8 32), which must divide K.
 
@@ -83,6 +85,8 @@ RECIPES: dict[str, dict[str, str]] = {
                        dense_mlp="mxfp8", router="fp32", embedding="bf16", head="bf16", other="bf16"),
     "nvfp4-experts": dict(routed_expert="nvfp4", attention="bf16", index="bf16", shared_expert="bf16",
                           dense_mlp="bf16", router="fp32", embedding="bf16", head="bf16", other="bf16"),
+    "nvfp4": dict(routed_expert="nvfp4", attention="nvfp4", index="nvfp4", shared_expert="nvfp4",
+                  dense_mlp="nvfp4", router="fp32", embedding="bf16", head="bf16", other="bf16"),
     "mxfp8": dict(routed_expert="mxfp8", attention="mxfp8", index="mxfp8", shared_expert="mxfp8",
                   dense_mlp="mxfp8", router="fp32", embedding="bf16", head="bf16", other="bf16"),
     "bf16": dict(routed_expert="bf16", attention="bf16", index="bf16", shared_expert="bf16",
