@@ -20,11 +20,27 @@ the layers one by one on the new token: project, `cache.write` into the step's s
 `msa_decode` for sparse-mode MSA layers (one page table and one `plan_decode` per step, shared
 by all layers) or full attention over the gathered pages for dense-mode / dense GQA layers
 (device-side gather through the page table; no host sync inside the layer loop).
+
+CUDA graph (`generate(..., cuda_graph=None)`: on for the paged path on CUDA unless False): the
+per-token forward over all layers (embedding, projections, cache writes, msa_decode / dense
+attention over the pages, MoE, norms, lm_head) is `PagedDecoder.static_step`, which reads
+everything that changes from step to step from static device buffers (`_GraphStep`: token ids,
+positions, slots, a page table as wide as max_len, lengths, and an msa_decode plan made for that
+width; shapes never depend on the length).  Host bookkeeping stays outside: `stage` reserves the
+slots (`append_slots_host`) and copies ids (device to device), positions / slots and page table
+/ lengths (pinned, non-blocking) into the buffers.  The first step of each (batch, nq) runs
+`static_step` eagerly on a side stream with `torch.cuda.set_sync_debug_mode("error")` (any
+host sync aborts it), then captures it; every later step replays (msakit's MoE counts experts
+with scatter-adds, not `torch.bincount`, which syncs on CUDA).  A step that cannot be captured (msa_decode's reference backend, the
+padded-bmm MoE fallback, a custom MoE, any sync or capture error) decodes eagerly with a
+one-time warning (`PagedDecoder.graph_disabled_reason`); a step past max_len runs eagerly.
+Sampling stays outside the graph.  On CPU the eager step is the only path.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -119,16 +135,77 @@ class _PrefillCapture:
         self.length += n
 
 
+class _GraphStep:
+    """Static buffers (and, once captured, the CUDA graph) of one decode step shape (B, nq).
+
+    ids [B, nq] int64; i64 = [positions (B * nq) | slots (B * nq)] int64; i32 = [page table
+    (B * width) | pad to 16 bytes | seq_lens (B)] int32; `plan` the msa_decode plan for the full
+    width (None without sparse Triton layers).  Everything the step reads that changes from
+    step to step is in these device tensors; the host refills them before each replay."""
+
+    def __init__(self, batch: int, nq: int, width: int, device: torch.device, plan) -> None:
+        self.batch, self.nq, self.width = batch, nq, width
+        n, bw = batch * nq, batch * width
+        self.ids = torch.zeros(batch, nq, dtype=torch.long, device=device)
+        self.i64 = torch.zeros(2 * n, dtype=torch.long, device=device)
+        self.lens_at = -(-bw // 4) * 4  # seq_lens start 16-byte aligned (Triton pointer specialization)
+        self.i32 = torch.zeros(self.lens_at + batch, dtype=torch.int32, device=device)
+        self.positions = self.i64[:n].view(batch, nq)
+        self.slots = self.i64[n:]
+        self.page_table = self.i32[:bw].view(batch, width)
+        self.seq_lens = self.i32[self.lens_at:]
+        self.plan = plan
+        self.graph: Any = None
+        self.logits: torch.Tensor | None = None
+
+
+_GRAPH_WARNED: set[str] = set()
+
+
+def _graph_warn(reason: str) -> None:
+    if reason not in _GRAPH_WARNED:
+        _GRAPH_WARNED.add(reason)
+        warnings.warn(f"msakit.generate: CUDA-graph decode disabled, decoding eagerly: {reason}", RuntimeWarning,
+                      stacklevel=4)
+
+
+def _where(e: BaseException) -> str:
+    """' at FILE:LINE (function)' of the innermost msakit frame of e's traceback ('' if none)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "msakit" in f.filename.replace("\\", "/")]
+    if not frames:
+        return ""
+    f = frames[-1]
+    path = f.filename.replace("\\", "/")
+    return f" at {path[path.rfind('msakit/'):]}:{f.lineno} ({f.name})"
+
+
+def _h2d(dst: torch.Tensor, values: list[int]) -> None:
+    """Copy host values into a static device buffer without a host sync (pinned staging; the
+    caching host allocator keeps the pinned block until the copy has run)."""
+    src = torch.tensor(values, dtype=dst.dtype)
+    if dst.device.type == "cuda":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
 class PagedDecoder:
     """Generation state of an M3ForCausalLM on a `PagedKVCache` (one sequence per batch row).
 
     `prefill(input_ids [B, T])` -> last logits [B, V]; `step(new [B, nq])` -> last logits [B, V]
     (nq <= 8 new tokens per row, all rows advancing together).  K / V of every layer and the
     index keys of the MSA layers live in the cache; sparse-mode MSA layers attend through
-    `msa_decode` (one page table and plan per step), the others attend all their pages."""
+    `msa_decode` (one page table and plan per step), the others attend all their pages.
+
+    cuda_graph=True (CUDA only): `step` replays one CUDA graph per nq (see the module
+    docstring); the first step of each nq runs eagerly on a side stream (warm-up, checked for
+    host syncs), then captures.  Falls back to the eager step, with a one-time warning naming
+    the reason, when the model's step cannot be captured (`graph_disabled_reason` says why)."""
 
     def __init__(self, model: Any, batch: int, max_len: int, *, kv_dtype: torch.dtype | None = None,
-                 backend: str = "auto", num_pages: int | None = None) -> None:
+                 backend: str = "auto", num_pages: int | None = None, cuda_graph: bool = False) -> None:
         from msakit.cache import PagedKVCache
 
         why = paged_supported(model)
@@ -152,6 +229,13 @@ class PagedDecoder:
         )
         self.seq_ids = [self.cache.allocate() for _ in range(batch)]
         self.plan = None
+        self.max_len = int(max_len)
+        self.graph_width = -(-self.max_len // ps)  # page-table width of the static step (max_len tokens)
+        if cuda_graph and self.cache.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs a model on CUDA, got {self.cache.device}")
+        self.cuda_graph = bool(cuda_graph)
+        self.graph_disabled_reason: str | None = None
+        self._graphs: dict[int, _GraphStep] = {}
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -164,13 +248,17 @@ class PagedDecoder:
                                [None if ki is None else ki[b] for ki in cap.k_idx])
         return logits
 
-    def _plan(self, meta, nq: int):
+    def _sparse_triton(self) -> tuple[bool, bool]:
+        """(any sparse-mode MSA layer, msa_decode runs its Triton kernels)."""
         from msakit.ops._dispatch import use_triton
+
+        sparse = any(self.layers[l].self_attn.mode == "sparse" for l in self.index_layers)
+        return sparse, sparse and use_triton("msa_decode", self.backend, self.cache.device)
+
+    def _plan(self, meta, nq: int):
         from msakit.ops.decode import plan_decode
 
-        if not any(self.layers[l].self_attn.mode == "sparse" for l in self.index_layers):
-            return None
-        if not use_triton("msa_decode", self.backend, self.cache.device):
+        if not self._sparse_triton()[1]:
             return None
         p = self.plan
         if p is None or p.width != meta.width or p.nq != nq or p.batch != meta.batch:
@@ -203,25 +291,22 @@ class PagedDecoder:
                                                              scale=1.0 / math.sqrt(q.shape[-1]))
         return o.transpose(1, 2)
 
-    @torch.no_grad()
-    def step(self, new: torch.Tensor) -> torch.Tensor:
+    def _forward(self, new: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                 seq_lens: torch.Tensor, plan) -> torch.Tensor:
+        """The per-token forward over all layers from device metadata only: new [B, nq] token ids,
+        positions [B, nq], slots int64 [B * nq], page_table int32 [B, W], seq_lens int32 [B].
+        No host sync and no Python value that depends on the lengths (shapes only), so it can
+        be captured (the ops are the same either way)."""
         from msakit.ops.decode import msa_decode
 
         B, nq = new.shape
-        if B != len(self.seq_ids):
-            raise ValueError(f"new tokens for {B} rows, decoder batch {len(self.seq_ids)}")
         cache, s = self.cache, self.sel
         dev = new.device
-        starts = [cache.length(sid) for sid in self.seq_ids]
-        slots = cache.append_slots(self.seq_ids, nq)
-        meta = cache.decode_metadata(self.seq_ids)
-        plan = self._plan(meta, nq)
         ar = torch.arange(nq, device=dev)
-        positions = torch.tensor(starts, device=dev).unsqueeze(1) + ar  # [B, nq]
         # dense attention over all pages: key j visible to new query i iff j <= len - nq + i
-        table = meta.page_table.long()
-        rows = meta.seq_lens.long().unsqueeze(1) - nq + ar  # [B, nq]
-        keys = torch.arange(meta.width * cache.page_size, device=dev)
+        table = page_table.long()
+        rows = seq_lens.long().unsqueeze(1) - nq + ar  # [B, nq]
+        keys = torch.arange(page_table.shape[1] * cache.page_size, device=dev)
         mask = (keys.view(1, 1, -1) <= rows.unsqueeze(-1)).unsqueeze(1)  # [B, 1, nq, W*ps]
         h = self.model.model.embed_tokens(new)
         G, D, Di = s.num_kv_heads, s.head_dim, s.index_dim
@@ -232,7 +317,7 @@ class PagedDecoder:
             cache.write(l, slots, k.reshape(B * nq, G, D), v.reshape(B * nq, G, D), ki)
             pools = cache.layer(l)
             if attn.index_branch and attn.mode == "sparse":
-                o = msa_decode(q, q_idx, pools, meta.page_table, meta.seq_lens, plan=plan, topk=s.topk,
+                o = msa_decode(q, q_idx, pools, page_table, seq_lens, plan=plan, topk=s.topk,
                                local_blocks=s.local_blocks, init_blocks=s.init_blocks, validate=False,
                                backend=self.backend)
             else:
@@ -240,6 +325,156 @@ class PagedDecoder:
             h = h + attn.o_proj(o.reshape(B, nq, -1))
             h = layer._ffn(h)[0]
         return self.model.lm_head(self.model.model.norm(h[:, -1:]))[:, -1]
+
+    def _check_new(self, new: torch.Tensor) -> tuple[int, int]:
+        B, nq = new.shape
+        if B != len(self.seq_ids):
+            raise ValueError(f"new tokens for {B} rows, decoder batch {len(self.seq_ids)}")
+        return B, nq
+
+    def _eager_forward(self, new: torch.Tensor, starts: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """The eager step after its bookkeeping (slots reserved): metadata and plan of the current width."""
+        nq = new.shape[1]
+        meta = self.cache.decode_metadata(self.seq_ids)
+        plan = self._plan(meta, nq)
+        positions = torch.tensor(starts, device=new.device).unsqueeze(1) + torch.arange(nq, device=new.device)
+        return self._forward(new, positions, slots, meta.page_table, meta.seq_lens, plan)
+
+    @torch.no_grad()
+    def step(self, new: torch.Tensor) -> torch.Tensor:
+        nq = self._check_new(new)[1]
+        if self.cuda_graph and self.graph_disabled_reason is None:
+            out = self._graph_step(new)
+            if out is not None:
+                return out
+        starts = [self.cache.length(sid) for sid in self.seq_ids]
+        slots = self.cache.append_slots(self.seq_ids, nq)
+        return self._eager_forward(new, starts, slots)
+
+    # ------------------------------------------------------------------ static (CUDA-graph) step
+    def graph_unsupported_reason(self) -> str | None:
+        """Why this model's decode step cannot be captured (checked before any capture), or None."""
+        from msakit.nn.moe import MoE, GroupedExperts, _GMM_FAILED, _compute_dtype, _grouped_mm_ok
+
+        sparse, triton = self._sparse_triton()
+        if sparse and not triton:
+            return (f"msa_decode runs its PyTorch reference (decode_backend={self.backend!r}), which reads the "
+                    "lengths on the host")
+        for i, layer in enumerate(self.layers):
+            if not layer.is_moe:
+                continue
+            moe = layer.block_sparse_moe
+            if not isinstance(moe, MoE) or type(moe).forward is not MoE.forward:
+                return f"layer {i}: the MoE ({type(moe).__name__}) is not msakit's MoE (its forward may sync)"
+            ex = moe.experts
+            if type(ex) is GroupedExperts:  # subclasses (QAT, packed) are checked by the warm-up
+                dt = _compute_dtype(ex.w1.new_empty(0), ex.w1)  # GroupedExperts.forward's compute dtype
+                x = torch.empty(0, ex.hidden_size, dtype=dt, device=ex.w1.device)
+                ws = [torch.empty(w.shape, dtype=dt, device="meta").transpose(1, 2) for w in (ex.w1, ex.w3, ex.w2)]
+                if (x.device.type, dt) in _GMM_FAILED or not all(_grouped_mm_ok(x, w) for w in ws):
+                    return (f"layer {i}: the MoE experts would use the padded-bmm fallback of grouped_mm "
+                            "(int(counts.max()): a host sync) instead of torch._grouped_mm")
+        return None
+
+    def static_buffers(self, nq: int) -> _GraphStep:
+        """The static buffers of the (batch, nq) step (created once; a new plan for the full width)."""
+        g = self._graphs.get(nq)
+        if g is None:
+            from msakit.ops.decode import plan_decode
+
+            B, W, s = len(self.seq_ids), self.graph_width, self.sel
+            plan = None
+            if self._sparse_triton()[1]:
+                plan = plan_decode(self.cache.layer(self.index_layers[0]), batch=B, nq=nq, num_heads=s.num_heads,
+                                   width=W, topk=s.topk, local_blocks=s.local_blocks, init_blocks=s.init_blocks)
+            g = self._graphs[nq] = _GraphStep(B, nq, W, self.cache.device, plan)
+        return g
+
+    def stage(self, g: _GraphStep, new: torch.Tensor) -> bool:
+        """Host bookkeeping of one static step: reserve the new slots (pages) and write ids,
+        positions, slots, page table and lengths into g's device buffers (no host sync).  False,
+        reserving nothing, when a sequence would outgrow the static page table (max_len)."""
+        cache, ps, W = self.cache, self.cache.page_size, g.width
+        nq = new.shape[1]
+        starts = [cache.length(sid) for sid in self.seq_ids]
+        if any(-(-(st + nq) // ps) > W for st in starts):
+            return False
+        slots = cache.append_slots_host(self.seq_ids, nq)
+        table: list[int] = []
+        for sid in self.seq_ids:
+            pages = cache.pages(sid)
+            table += pages + [0] * (W - len(pages))
+        table += [0] * (g.lens_at - len(table)) + [st + nq for st in starts]
+        g.ids.copy_(new, non_blocking=True)
+        _h2d(g.i64, [st + i for st in starts for i in range(nq)] + slots)
+        _h2d(g.i32, table)
+        return True
+
+    def static_step(self, g: _GraphStep) -> torch.Tensor:
+        """The whole decode step from g's buffers (what the CUDA graph captures) -> logits [B, V]."""
+        return self._forward(g.ids, g.positions, g.slots, g.page_table, g.seq_lens, g.plan)
+
+    def _disable_graph(self, reason: str) -> None:
+        self.graph_disabled_reason = reason
+        _graph_warn(reason)
+
+    def _graph_step(self, new: torch.Tensor) -> torch.Tensor | None:
+        """Replay (capturing first if needed) the step graph; None: run the eager step instead."""
+        nq = new.shape[1]
+        if nq not in self._graphs:
+            reason = self.graph_unsupported_reason()
+            if reason is not None:
+                self._disable_graph(reason)
+                return None
+        g = self.static_buffers(nq)
+        if not self.stage(g, new):
+            return None  # longer than max_len: this step runs eagerly (the cache is shared)
+        if g.graph is None:
+            return self._capture(g, new)
+        g.graph.replay()
+        return g.logits.clone()
+
+    def _capture(self, g: _GraphStep, new: torch.Tensor) -> torch.Tensor:
+        """Warm-up (the real step, eagerly on a side stream, any host sync an error), capture,
+        replay.  On failure the step's logits come from the warm-up or the eager forward."""
+        from msakit.nn.moe import _GMM_FAILED
+
+        dev = self.cache.device
+        cur = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(cur)
+        prev = torch.cuda.get_sync_debug_mode()
+        gmm_failed = set(_GMM_FAILED)  # a sync error inside torch._grouped_mm must not mark it failed for good
+        out = None
+        try:
+            with torch.cuda.stream(side):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = self.static_step(g)
+                finally:
+                    torch.cuda.set_sync_debug_mode(prev)
+                    _GMM_FAILED.intersection_update(gmm_failed)
+        except Exception as e:  # noqa: BLE001 - any failure: eager decoding
+            cur.wait_stream(side)
+            self._disable_graph(f"the warm-up step failed{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})")
+            starts = [L - g.nq for L in (self.cache.length(sid) for sid in self.seq_ids)]
+            slots = g.slots.clone()  # the slots reserved by stage()
+            return self._eager_forward(new, starts, slots)
+        cur.wait_stream(side)
+        out.record_stream(cur)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            try:
+                with torch.cuda.graph(graph, stream=side):
+                    logits = self.static_step(g)
+            finally:
+                _GMM_FAILED.intersection_update(gmm_failed)
+        except Exception as e:  # noqa: BLE001
+            self._disable_graph(f"capture failed{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})")
+            return out
+        g.graph, g.logits = graph, logits
+        graph.replay()
+        return logits.clone()
 
 
 def sample_next(
@@ -363,6 +598,7 @@ def generate(
     cache: str = "auto",
     decode_backend: str = "auto",
     kv_dtype: torch.dtype | None = None,
+    cuda_graph: bool | None = None,
 ):
     """Cached generation for models with `forward_cached` (M3ForCausalLM) -> tokens [B, T + n]
     (and the per-step logits [B, n, V] with return_logits).  Stops early once every row has
@@ -371,9 +607,14 @@ def generate(
     cache: "contiguous" (`KVCache`), "paged" (`PagedKVCache` + `msa_decode`; see the module
     docstring) or "auto" (paged on CUDA when `paged_supported(model)`, contiguous otherwise).
     decode_backend is msa_decode's backend on the paged path ("auto" | "triton" | "reference");
-    kv_dtype the paged pools' dtype (default: the model's dtype; fp8 e4m3 is accepted)."""
+    kv_dtype the paged pools' dtype (default: the model's dtype; fp8 e4m3 is accepted).
+    cuda_graph: None (auto: on for the paged path on CUDA), True (the paged path on CUDA only) or
+    False (eager): the paged decode step is captured once as a CUDA graph and replayed (see the
+    module docstring); a model whose step cannot be captured decodes eagerly with a warning."""
     if cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
+    if cuda_graph not in (None, True, False):
+        raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
     if cache == "auto":
         from msakit.ops._dispatch import triton_available
 
@@ -383,11 +624,15 @@ def generate(
         why = paged_supported(model)
         if why is not None:
             raise ValueError(f"cache='paged' is not supported for this model: {why}")
+    graph = cache == "paged" and input_ids.device.type == "cuda" and cuda_graph is not False
+    if cuda_graph and not graph:
+        raise ValueError(f"cuda_graph=True needs the paged cache on CUDA, got cache={cache!r} on "
+                         f"{input_ids.device.type}")
 
     def make_step() -> Callable[[torch.Tensor | None], torch.Tensor]:
         if cache == "paged":
             dec = PagedDecoder(model, input_ids.shape[0], input_ids.shape[1] + max(max_new_tokens, 1),
-                               kv_dtype=kv_dtype, backend=decode_backend)
+                               kv_dtype=kv_dtype, backend=decode_backend, cuda_graph=graph)
 
             def step(new: torch.Tensor | None) -> torch.Tensor:
                 return dec.prefill(input_ids) if new is None else dec.step(new)

@@ -231,6 +231,11 @@ class PagedKVCache:
         used for every sequence) and return their flat slots (int64 [sum(counts)] on the cache's
         device, sequence by sequence).  Allocates pages and copies a shared partial last page
         (copy-on-write) first; raises ValueError, changing nothing, when pages run out."""
+        return torch.tensor(self.append_slots_host(seq_ids, counts), dtype=torch.int64, device=self.device)
+
+    def append_slots_host(self, seq_ids, counts) -> list[int]:
+        """`append_slots` returning the slots as a Python list (no device tensor: the caller
+        stages them itself, e.g. into the static buffers of a CUDA-graph decode step)."""
         seq_ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
         counts = [counts] * len(seq_ids) if isinstance(counts, int) else list(counts)
         if len(counts) != len(seq_ids):
@@ -264,7 +269,7 @@ class PagedKVCache:
             for j in range(s.length, s.length + n):
                 slots.append(s.pages[j // ps] * ps + j % ps)
             s.length += n
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return slots
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None = None) -> None:
         """Scatter one layer's tokens: k, v [N, G, D], k_idx [N, Di] into `slots` (int64 [N] on the

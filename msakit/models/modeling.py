@@ -493,14 +493,17 @@ class M3ForCausalLM(nn.Module):
         streamer: Callable[[torch.Tensor], Any] | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         cache: str = "auto",
+        cuda_graph: bool | None = None,
     ) -> torch.Tensor:
         """Sample `max_new_tokens` after input_ids [B, T] with a KV cache -> [B, T + n].  cache:
         "auto" (paged + msa_decode on CUDA when supported, else contiguous), "contiguous" or
-        "paged" (see `msakit.generate.generate`)."""
+        "paged"; cuda_graph: None (auto: the paged decode step as a CUDA graph on CUDA), True or
+        False (see `msakit.generate.generate`)."""
         from msakit.generate import generate
 
         return generate(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        generator=generator, streamer=streamer, eos_token_id=eos_token_id, cache=cache)
+                        generator=generator, streamer=streamer, eos_token_id=eos_token_id, cache=cache,
+                        cuda_graph=cuda_graph)
 
     def parameter_counts(self) -> dict[str, int]:
         return parameter_counts(self)

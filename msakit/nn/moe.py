@@ -226,7 +226,10 @@ class MoE(nn.Module):
         flat_e = idx.reshape(-1)
         order = flat_e.argsort(stable=True)
         tok = order // k
-        counts = torch.bincount(flat_e, minlength=self.num_experts)
+        # not torch.bincount: on CUDA it reads the largest id on the host (a sync per layer, and
+        # no CUDA-graph capture of a decode step); integer scatter-adds give the same counts
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat_e.device).scatter_add_(
+            0, flat_e, torch.ones_like(flat_e))
         h = self.experts(xf[tok], counts)  # [N*k, H], sorted by expert
         # un-sort (a permutation: a plain gather, no atomics) and sum each token's k outputs in
         # float32 in a fixed order, so the forward is deterministic on GPU too
