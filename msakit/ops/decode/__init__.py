@@ -68,6 +68,9 @@ class DecodePlan:
     local_blocks: int
     init_blocks: int
     score_splits: int
+    score_impl: str
+    score_load: str
+    pch: int
     cluster: int
     num_clusters: int
     merge_budget: int
@@ -79,6 +82,7 @@ class DecodePlan:
     mr: int
     kp: int
     fused_select: bool
+    fuse_combine: bool
     pdl: bool
     score_warps: int
     score_stages: int
@@ -91,6 +95,8 @@ class DecodePlan:
     block_idx: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
+    bmax: torch.Tensor | None
+    cnt3: torch.Tensor
 
     def key(self) -> tuple:
         return (self.batch, self.nq, self.num_heads, self.num_kv_heads, self.head_dim, self.index_dim,
@@ -173,14 +179,18 @@ def plan_decode(
     page_table: torch.Tensor | None = None,
     fused_select: bool = True,
     pdl: bool = False,
+    score_impl: str = "v2",
+    score_load: str = "auto",
+    fuse_combine: bool = True,
     score_splits: int | None = None,
     attn_splits: int | None = None,
     cluster: int | None = None,
     merge_budget: int = 4096,
-    score_programs_per_sm: int = 2,
+    score_programs_per_sm: int | None = None,
     min_pages_per_split: int = 4,
-    score_stages: int = 5,
-    score_warps: int = 4,
+    score_stages: int | None = None,
+    score_warps: int | None = None,
+    end_chunk: int = 32,
     num_sms: int | None = None,
 ) -> DecodePlan:
     """Validate host-side metadata and allocate the workspace of msa_decode (outside capture).
@@ -189,7 +199,18 @@ def plan_decode(
     CPU tensor) and page_table (CPU tensor), when given, are checked (ValueError).  The tuning
     arguments (splits, stages, warps, fused_select) default to the H200 choice; pdl=True
     launches the attention and combine grids with programmatic dependent launch (Hopper: their
-    launch overlaps the previous grid's tail; they wait in griddepcontrol.wait)."""
+    launch overlaps the previous grid's tail; they wait in griddepcontrol.wait).
+
+    score_impl: "v2" (default) the scoring kernel with the page as the MMA's M dimension (wgmma
+    on Hopper), fp8 index keys scored as exact fp16 tensor-core products, block maxima to a
+    scratch and the split's top-k built once after its pages; "v1" the previous kernel (a
+    running top-k per page; its defaults: 2 programs per SM, 5 stages, 4 warps).  score_load
+    (v2): "tma" (tensor-map loads of the index-key pages), "cp" (cp.async pointer loads) or
+    "auto" (tma on CUDA when the pool qualifies).  end_chunk (v2): pages per chunk of the split's
+    final top-k pass (a power of 2, raised to the top-k; one value for every shape keeps the
+    number of compiled variants small).  fuse_combine: the last attention split of each
+    (sequence, group, query chunk) to finish merges the split partials (an atomic counter,
+    "last arriver") instead of a third launch (False: the combine kernel)."""
     _check_pools(pools)
     check_selection(pools.page_size, topk, local_blocks, init_blocks)
     for name, val in (("batch", batch), ("nq", nq), ("num_heads", num_heads), ("width", width)):
@@ -218,6 +239,20 @@ def plan_decode(
                 raise ValueError(f"page_table must be [batch={batch}, width], got {tuple(table.shape)}")
         _check_host_values(lens, table, nq, ps, pools.num_pages, width if table is None else table.shape[1])
     dev = pools.k.device
+    if score_impl not in ("v1", "v2"):
+        raise ValueError(f"score_impl must be 'v1' or 'v2', got {score_impl!r}")
+    if score_load not in ("auto", "tma", "cp"):
+        raise ValueError(f"score_load must be 'auto', 'tma' or 'cp', got {score_load!r}")
+    elt = 1 if pools.index_fp8 else pools.k_idx.element_size()
+    if score_impl == "v1":
+        score_programs_per_sm = 2 if score_programs_per_sm is None else score_programs_per_sm
+        score_stages = 5 if score_stages is None else score_stages
+        score_warps = 4 if score_warps is None else score_warps
+    else:  # Triton 3.6 on sm_90 keeps 3 index-key pages in shared memory at 5 stages for bf16 (96 KiB:
+        # two programs per SM) and 3 at 7 stages for fp8 (48 KiB; the page table takes the other stages)
+        score_programs_per_sm = 2 if score_programs_per_sm is None else score_programs_per_sm
+        score_stages = (7 if elt == 1 else 5) if score_stages is None else score_stages
+        score_warps = 4 if score_warps is None else score_warps
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     if score_splits is None:  # ~2 programs per SM, but >= min_pages_per_split pages each (fewer merge levels)
@@ -241,14 +276,18 @@ def plan_decode(
     mr = _pow2(nq * G)
     mp = max(16, mr)
     kp = _pow2(topk)
-    elt = 1 if pools.index_fp8 else pools.k_idx.element_size()
-    stages = max(1, min(score_stages, (160 * 1024) // (ps * Di * elt)))
+    stages = max(1, min(score_stages, (160 * 1024) // (ps * Di * elt) + (2 if score_impl == "v2" else 0)))
+    pch = max(kp, _pow2(end_chunk))
+    if score_load == "auto":
+        score_load = "tma" if dev.type == "cuda" else "cp"
     i64, i32, f32 = torch.int64, torch.int32, torch.float32
     return DecodePlan(
         batch=batch, nq=nq, num_heads=num_heads, num_kv_heads=G, head_dim=D, index_dim=Di, page_size=ps,
         width=width, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, score_splits=S,
+        score_impl=score_impl, score_load=score_load, pch=pch,
         cluster=cluster, num_clusters=NC, merge_budget=merge_budget, attn_splits=NSA, qc=qc, nqc=nqc, ma=ma, mp=mp, mr=mr, kp=kp,
-        fused_select=bool(fused_select), pdl=bool(pdl), score_warps=score_warps, score_stages=stages,
+        fused_select=bool(fused_select), fuse_combine=bool(fuse_combine), pdl=bool(pdl), score_warps=score_warps,
+        score_stages=stages,
         attn_warps=4 if ma <= 64 else 8, device=dev,
         cand=torch.empty(batch, S, mr, kp, dtype=i64, device=dev),
         cand2=torch.empty(batch, NC, mr, kp, dtype=i64, device=dev),
@@ -257,6 +296,8 @@ def plan_decode(
         block_idx=torch.empty(batch, G, nq, topk, dtype=i32, device=dev),
         o_part=torch.empty(batch, G, nqc, NSA, ma, D, dtype=f32, device=dev),
         lse_part=torch.empty(batch, G, nqc, NSA, ma, dtype=f32, device=dev),
+        bmax=torch.empty(batch, width, mr, dtype=f32, device=dev) if score_impl == "v2" else None,
+        cnt3=torch.zeros(batch, G, nqc, dtype=i32, device=dev),
     )
 
 

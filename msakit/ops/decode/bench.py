@@ -4,6 +4,7 @@
     graph_check()        # eager Triton vs reference, CUDA-graph capture / replay vs eager (+ pdl)
     check_and_bench()    # launch sweep at 1M, then the table of benchmarks/decode.py
     compile_report()     # no GPU needed: sm_90 compile of every kernel, registers / spills / smem
+    ab()                 # old (v1 scoring + combine kernel) vs new (plan_decode defaults), checked + timed
 
 Shape: one layer of M3 (Hq 64, G 4, D 128, Di 128, page = block 128, top-16), bf16 K/V, index
 keys bf16 or fp8 e4m3 (+ float32 per-token scales).  Baseline: dense decode through
@@ -34,17 +35,25 @@ REPS_IN_GRAPH = 10
 _FLUSH = {}
 
 
-def _flush_fn():
+def _flush_fn(mode: str = "write"):
+    """The L2 flush before a cold call: "write" zeroes a 256 MiB buffer (the headline numbers;
+    it leaves ~50 MB of dirty lines in L2 that the timed call pays to write back), "read" reads
+    it (clean lines: a diagnostic of that write-back share)."""
     if "buf" not in _FLUSH:
         _FLUSH["buf"] = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        _FLUSH["sink"] = torch.empty((), dtype=torch.int64, device="cuda")
     buf = _FLUSH["buf"]
+    if mode == "read":
+        words, sink = buf.view(torch.int64), _FLUSH["sink"]
+        return lambda: torch.amax(words, dim=0, out=sink)
     return lambda: buf.zero_()
 
 
-def graph_ms(fn, *, flush: bool = False, reps: int = REPS_IN_GRAPH, replays: int = 20, _subtract: bool = True) -> float:
+def graph_ms(fn, *, flush: bool = False, reps: int = REPS_IN_GRAPH, replays: int = 20, _subtract: bool = True,
+             flush_mode: str = "write") -> float:
     """Median ms per call of fn() captured `reps` times in one CUDA graph (minus the L2 flush
-    when flush=True)."""
-    fl = _flush_fn() if flush else None
+    when flush=True; flush_mode: see _flush_fn)."""
+    fl = _flush_fn(flush_mode) if flush else None
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -71,9 +80,10 @@ def graph_ms(fn, *, flush: bool = False, reps: int = REPS_IN_GRAPH, replays: int
     t = times[len(times) // 2]
     del g
     if flush and _subtract:
-        key = ("flush_only", reps)
+        key = ("flush_only", reps, flush_mode)
         if key not in _FLUSH:
-            _FLUSH[key] = graph_ms(lambda: None, flush=True, reps=reps, replays=replays, _subtract=False)
+            _FLUSH[key] = graph_ms(lambda: None, flush=True, reps=reps, replays=replays, _subtract=False,
+                                   flush_mode=flush_mode)
         t -= _FLUSH[key]
     return t
 
@@ -116,7 +126,7 @@ def floor_bytes(B: int, N: int, idx: str = "bf16") -> int:
     return B * (N * per_tok + kv)
 
 
-def dense_ms(B: int, N: int, *, device: str = "cuda", flush: bool = True) -> dict:
+def dense_ms(B: int, N: int, *, device: str = "cuda", flush: bool = True, read_flush: bool = False) -> dict:
     """Dense decode through SDPA: q [B*G, 1, 16, D] over that group's K / V [B*G, 1, N, D].
 
     Every SDPA backend that takes the call is timed and the fastest is the baseline (`dense_ms`;
@@ -147,6 +157,8 @@ def dense_ms(B: int, N: int, *, device: str = "cuda", flush: bool = True) -> dic
     if best is None:
         raise RuntimeError(f"no SDPA backend ran dense decode at B={B}, N={N}: {out}")
     out["dense_hot_ms"] = graph_ms(best)
+    if read_flush:
+        out["dense_read_ms"] = graph_ms(best, flush=True, flush_mode="read")
     out["dense_GBps"] = 2 * k.numel() * 2 / out["dense_ms"] / 1e6
     del q, k, v
     torch.cuda.empty_cache()
@@ -154,8 +166,9 @@ def dense_ms(B: int, N: int, *, device: str = "cuda", flush: bool = True) -> dic
 
 
 def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, plan_kw: dict | None = None,
-               flush: bool = True, detail: bool = True) -> dict:
-    """Times msa_decode (CUDA graph, cold and hot) and its selection phase alone."""
+               flush: bool = True, detail: bool = True, read_flush: bool = False) -> dict:
+    """Times msa_decode (CUDA graph, cold and hot) and its selection phase alone (read_flush:
+    also cold after a read-only flush, msa_read_ms, see _flush_fn)."""
     from . import msa_decode, plan_decode
     from .triton import launch
 
@@ -174,7 +187,8 @@ def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, pl
     torch.cuda.synchronize()
     row = {"B": B, "N": N, "idx": idx, "nq": nq, "splits": plan.score_splits, "attn_splits": plan.attn_splits,
            "fused_select": plan.fused_select, "pdl": plan.pdl, "score_stages": plan.score_stages,
-           "score_warps": plan.score_warps}
+           "score_warps": plan.score_warps, "score_impl": plan.score_impl, "score_load": plan.score_load,
+           "fuse_combine": plan.fuse_combine}
     row["msa_ms"] = graph_ms(fn, flush=flush)
     row["floor_ms"] = floor_bytes(B, N, idx) / READ_BW * 1e3
     row["vs_floor"] = row["msa_ms"] / row["floor_ms"]
@@ -183,6 +197,8 @@ def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, pl
         row["select_ms"] = graph_ms(sel, flush=flush)
         idx_bytes = B * N * (DI * (1 if idx == "fp8" else 2) + (4 if idx == "fp8" else 0))
         row["select_GBps"] = idx_bytes / row["select_ms"] / 1e6
+    if read_flush:
+        row["msa_read_ms"] = graph_ms(fn, flush=True, flush_mode="read")
     if own:
         del pools, page_table, seq_lens
         torch.cuda.empty_cache()
@@ -342,11 +358,192 @@ def check_and_bench(quick: bool = False, tune_first: bool = True) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------- old vs new
+# "old": the configuration measured in run 5 (v1 scoring with its tuned launch: 2 programs per SM,
+# 5 stages, 8 warps; the separate combine kernel); "new": plan_decode's defaults (v2 scoring,
+# tensor-map loads, fused combine).  The other variants isolate one knob of the new default each.
+OLD_KW = dict(score_impl="v1", fuse_combine=False, score_programs_per_sm=2, score_stages=5, score_warps=8)
+AB_VARIANTS = {
+    "old": OLD_KW,
+    "new": {},
+    "new+pdl": dict(pdl=True),
+}
+# one knob of the new default each (ab(variants=AB_EXTRA) or names from both dicts)
+AB_EXTRA = {
+    "new cp.async": dict(score_load="cp"),
+    "new unfused": dict(fuse_combine=False),
+    "new 8 warps": dict(score_warps=8),
+    "new 3/SM": dict(score_programs_per_sm=3),
+    "new 1/SM": dict(score_programs_per_sm=1, score_stages=7),
+}
+
+
+def _ab_outputs(case, plan_kw: dict, nq: int) -> dict:
+    """One eager call and one CUDA-graph replay of msa_decode with plan_kw (workspace poisoned
+    before each): outputs, graph == eager, counters back to 0."""
+    from . import msa_decode, plan_decode
+
+    pools, page_table, seq_lens = case
+    B, dev = page_table.shape[0], page_table.device
+    g = torch.Generator(device=dev).manual_seed(2)
+    q = torch.randn(B, nq, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
+    qi = torch.randn(B, nq, G, DI, device=dev, dtype=torch.bfloat16, generator=g)
+    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK, **plan_kw)
+    step = lambda: msa_decode(q, qi, pools, page_table, seq_lens, plan=plan, return_lse=True,  # noqa: E731
+                              return_block_idx=True, backend="triton")
+    _poison(plan)
+    o, lse, bi = (x.clone() for x in step())
+    if dev.type != "cuda":  # (the CPU dry run of the tests: no graph)
+        counters = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
+        return {"o": o, "lse": lse, "bi": bi, "q": q, "qi": qi, "graph_equal": True, "counters_zero": counters}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        go, glse, gbi = step()
+    _poison(plan)
+    cg.replay()
+    torch.cuda.synchronize()
+    graph_equal = bool(torch.equal(go, o) and torch.equal(glse, lse) and torch.equal(gbi, bi))
+    counters = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
+    del cg
+    return {"o": o, "lse": lse, "bi": bi, "q": q, "qi": qi, "graph_equal": graph_equal, "counters_zero": counters}
+
+
+def _compare(out: dict, ref_o, ref_lse, ref_bi) -> dict:
+    rel = float((out["o"].double() - ref_o.double()).norm() / ref_o.double().norm().clamp_min(1e-30))
+    fin = torch.isfinite(ref_lse)
+    lerr = float((out["lse"] - ref_lse)[fin].abs().max()) if bool(fin.any()) else 0.0
+    return {"sel_agree": _set_agreement(out["bi"], ref_bi), "o_rel_err": rel, "lse_max_err": lerr}
+
+
+def ab(Ns=(16384, 131072, 1 << 20), Bs=(1, 8), idxs=("bf16", "fp8"), variants=None, nq: int = 1,
+       dense: bool = True, read_flush: bool = True, reference_max_tokens: int = 1 << 20,
+       out_dir: str | None = None) -> list[dict]:
+    """Old vs new msa_decode on the GPU: for every (N, B, index-key dtype) the variants of
+    AB_VARIANTS (or `variants`, names from it or {name: plan_kw}) are checked and timed.
+
+    Check (per variant): an eager call and a CUDA-graph replay with the workspace poisoned
+    before each (graph == eager bitwise, merge / combine counters back to 0), selection set
+    agreement and o / lse error against the "old" variant and, for B * N <= reference_max_tokens,
+    against msa_decode_reference.  ok: graph == eager, counters 0, agreement >= 0.999 with old
+    and the reference, o rel err < 1e-2, lse err < 1e-2.  Timing: bench_case (cold = 256 MiB
+    write flush before each call, hot, selection phase alone; read_flush adds cold after a
+    read-only flush) and dense SDPA (flash) for the speedup.  Prints one row per variant and a
+    table at the end; returns the rows (also written to out_dir/decode_ab.json after every row
+    when out_dir is given, e.g. os.environ["OUT"])."""
+    from . import msa_decode_reference
+
+    if variants is None:
+        variants = dict(AB_VARIANTS)
+    elif not isinstance(variants, dict):
+        variants = {v: {**AB_VARIANTS, **AB_EXTRA}[v] for v in variants}
+    variants = dict(variants)
+    if "old" not in variants:
+        variants = {"old": OLD_KW, **variants}
+    rows = []
+    for N in Ns:
+        for B in Bs:
+            dn = {}
+            if dense and _fits(int(B * G * N * D * 2 * 2 * 1.05)):
+                dn = dense_ms(B, N, read_flush=read_flush)
+            kv_bytes = B * -(-N // PS) * PS * G * D * 2 * 2
+            if not _fits(int((kv_bytes + B * N * DI * 2) * 1.05)):
+                print(f"skip B={B} N={N}: does not fit", flush=True)
+                continue
+            kv = None
+            for idx in idxs:
+                case = make_pools(B, N, idx=idx, kv=kv)
+                kv = PagedLayer(k=case[0].k, v=case[0].v)
+                outs = {}
+                ref = None
+                for name, kw in variants.items():
+                    row = {"variant": name}
+                    try:
+                        out = outs[name] = _ab_outputs(case, kw, nq)
+                        if ref is None and B * N <= reference_max_tokens:
+                            ro, rlse, rbi = msa_decode_reference(out["q"], out["qi"], case[0], case[1],
+                                                                 case[2].tolist(), topk=TOPK)
+                            ref = (ro, rlse, rbi)
+                        vs_old = _compare(out, outs["old"]["o"], outs["old"]["lse"], outs["old"]["bi"])
+                        row.update({f"{k}_vs_old": v for k, v in vs_old.items()})
+                        row.update(graph_equal=out["graph_equal"], counters_zero=out["counters_zero"])
+                        ok = out["graph_equal"] and out["counters_zero"] and vs_old["sel_agree"] >= 0.999 and \
+                            vs_old["o_rel_err"] < 1e-2 and vs_old["lse_max_err"] < 1e-2
+                        if ref is not None:
+                            vs_ref = _compare(out, *ref)
+                            row.update({f"{k}_vs_ref": v for k, v in vs_ref.items()})
+                            ok = ok and vs_ref["sel_agree"] >= 0.999 and vs_ref["o_rel_err"] < 1e-2 and \
+                                vs_ref["lse_max_err"] < 1e-2
+                        row["ok"] = bool(ok)
+                        row.update(bench_case(B, N, idx=idx, nq=nq, pools=case, plan_kw=kw, read_flush=read_flush))
+                    except Exception as e:  # keep going: the table shows the failure
+                        row.update(B=B, N=N, idx=idx, nq=nq, ok=False, error=repr(e)[:300])
+                    row.update(dn)
+                    if dn and "msa_ms" in row:
+                        row["speedup"] = dn["dense_ms"] / row["msa_ms"]
+                        if "dense_read_ms" in dn and "msa_read_ms" in row:
+                            row["speedup_read"] = dn["dense_read_ms"] / row["msa_read_ms"]
+                    rows.append(row)
+                    print({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                    if out_dir:
+                        import json
+                        import os
+
+                        os.makedirs(out_dir, exist_ok=True)
+                        with open(os.path.join(out_dir, "decode_ab.json"), "w") as f:
+                            json.dump({"variants": {k: dict(v) for k, v in variants.items()}, "rows": rows}, f,
+                                      indent=1, default=str)
+                for out in outs.values():
+                    out.clear()
+                del case, outs, ref
+                torch.cuda.empty_cache()
+            del kv
+            torch.cuda.empty_cache()
+    print_ab(rows)
+    return rows
+
+
+def print_ab(rows: list[dict]) -> None:
+    nan = float("nan")
+    print(f"\n{'B':>2} {'N':>8} {'idx':>4} {'variant':>13} {'ok':>3} {'msa ms':>8} {'hot ms':>7} {'read ms':>7} "
+          f"{'sel ms':>7} {'sel GB/s':>8} {'floor':>7} {'x floor':>7} {'dense':>7} {'speedup':>7} {'spd rd':>6} "
+          f"{'vs old':>6} {'agree':>6} {'o err':>8}")
+    old = {(r["B"], r["N"], r["idx"]): r.get("msa_ms") for r in rows if r["variant"] == "old"}
+    for r in rows:
+        if "msa_ms" not in r:
+            print(f"{r['B']:>2} {r['N']:>8} {r['idx']:>4} {r['variant']:>13}  ERROR {r.get('error', '')}")
+            continue
+        base = old.get((r["B"], r["N"], r["idx"]))
+        us = {k: r.get(k, nan) * 1e3
+              for k in ("msa_ms", "msa_hot_ms", "msa_read_ms", "select_ms", "floor_ms", "dense_ms")}
+        agree = r.get("sel_agree_vs_ref", r.get("sel_agree_vs_old", nan))
+        err = r.get("o_rel_err_vs_ref", r.get("o_rel_err_vs_old", nan))
+        print(f"{r['B']:>2} {r['N']:>8} {r['idx']:>4} {r['variant']:>13} {'yes' if r['ok'] else 'NO':>3} "
+              f"{us['msa_ms']:>6.1f}us {us['msa_hot_ms']:>5.1f}us {us['msa_read_ms']:>5.1f}us "
+              f"{us['select_ms']:>5.1f}us {r.get('select_GBps', nan):>8.0f} {us['floor_ms']:>5.1f}us "
+              f"{r['vs_floor']:>7.2f} {us['dense_ms']:>5.0f}us {r.get('speedup', nan):>7.2f} "
+              f"{r.get('speedup_read', nan):>6.2f} {(base / r['msa_ms']) if base else nan:>6.2f} {agree:>6.4f} "
+              f"{err:>8.1e}", flush=True)
+
+
 # ------------------------------------------------------------------------------------- checks
+GRAPH_CHECK_KW = (
+    {},  # the defaults: v2 scoring (tensor-map loads), fused merges, fused combine
+    dict(fused_select=False, fuse_combine=False, score_load="cp"),
+    dict(score_impl="v1", fuse_combine=False),  # the previous configuration
+    dict(score_impl="v1", fused_select=False),
+)
+
+
 def graph_check(small: bool = False, device: str = "cuda") -> dict:
     """Eager Triton vs the reference, and CUDA-graph capture / replay vs eager (also after the
     lengths, the page tables and the queries change), for bf16 and fp8 index keys, nq 1 and 4,
-    fused and unfused selection merges.  Returns {"ok": bool, "cases": [...]}."""
+    the plan variants of GRAPH_CHECK_KW (v2 / v1 scoring, fused / unfused selection merges and
+    combine).  Returns {"ok": bool, "cases": [...]}."""
     from msakit.cache import PagedKVCache
 
     from . import msa_decode, msa_decode_reference, plan_decode
@@ -371,10 +568,11 @@ def graph_check(small: bool = False, device: str = "cuda") -> dict:
         pools = cache.layer(0)
         live = [s for s, L in zip(sids, lens) if L]
         for nq in (1, 4):
-            for fused in (True, False):
+            for kw in GRAPH_CHECK_KW:
+                fused = kw.get("fused_select", True)
                 meta = cache.decode_metadata(sids, width=width)
                 B = len(sids)
-                plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=width, topk=TOPK, fused_select=fused,
+                plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=width, topk=TOPK, **kw,
                                    seq_lens=meta.seq_lens_host, page_table=meta.page_table_host)
                 qs = torch.randn(B, nq, HQ, D, device=device, dtype=torch.bfloat16)
                 qis = torch.randn(B, nq, G, DI, device=device, dtype=torch.bfloat16)
@@ -383,7 +581,7 @@ def graph_check(small: bool = False, device: str = "cuda") -> dict:
                     return msa_decode(qs, qis, pools, meta.page_table, meta.seq_lens, plan=plan, return_lse=True,
                                       return_block_idx=True)
 
-                rec = {"idx": idx, "nq": nq, "fused": fused}
+                rec = {"idx": idx, "nq": nq, "plan_kw": kw}
                 for phase in ("first", "grown"):
                     _poison(plan)
                     o, lse, bi = step()
@@ -407,11 +605,11 @@ def graph_check(small: bool = False, device: str = "cuda") -> dict:
                     g.replay()
                     torch.cuda.synchronize()
                     graph_equal = bool(torch.equal(go, o) and torch.equal(gbi, bi) and torch.equal(glse, lse))
-                    counters_zero = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all())
+                    counters_zero = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
                     rec[phase] = dict(selection_agreement=same, o_rel_err=rel, o_max_err=err, lse_max_err=lerr,
                                       all_written=written, graph_equals_eager=graph_equal, counters_zero=counters_zero)
                     ok &= (same >= 0.995 and rel < 1e-2 and lerr < 1e-2 and written and graph_equal
-                           and (counters_zero or not fused))
+                           and (counters_zero or not (fused or plan.fuse_combine)))
                     if phase == "first":
                         # grow every live sequence by nq + 5 tokens, new queries, refill the static metadata
                         for sid in live:
@@ -442,6 +640,8 @@ def _poison(plan) -> None:
     plan.lse_part.fill_(float("nan"))
     plan.cand.fill_(-(2**62))
     plan.cand2.fill_(-(2**62))
+    if plan.bmax is not None:
+        plan.bmax.fill_(float("nan"))
 
 
 def _set_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -482,17 +682,26 @@ def compile_report(arch: int = 90) -> list[dict]:
             consts = dict(NQ=nq, G=G, DI=DI, PS=PS, TOPK=TOPK, KP=16, MP=max(16, mr), MR=mr, LOCAL=1, INIT=0,
                           IDX_FP8=idx == "fp8", CODE=0, FUSED=True, CL=16, NC_PAD=16,
                           RB1=K._rows_per_merge(mr, 256), RB2=K._rows_per_merge(mr, 256), NUM_STAGES=5, USE_PDL=False)
-            rows.append(build(f"score {idx} nq={nq}", K._score_kernel, sig, consts, num_warps=4, num_stages=5))
+            rows.append(build(f"score v1 {idx} nq={nq}", K._score_kernel, sig, consts, num_warps=4, num_stages=5))
+            kd = "fp8e4nv" if idx == "fp8" else "bf16"
+            stages = 7 if idx == "fp8" else 5
+            for tma in (True, False):
+                sig2 = dict(sig, kdesc=f"tensordesc<{kd}[{PS}, {DI}]>" if tma else "*i32", bmax_ptr="*fp32", W="i32")
+                consts2 = {k: v for k, v in consts.items() if k != "NUM_STAGES"}
+                consts2.update(CODE=3 if idx == "fp8" else 0, TMA=tma, PCH=32, NUM_STAGES=stages)
+                rows.append(build(f"score v2 {idx} nq={nq} {'tma' if tma else 'cp.async'}", K._score2_kernel,
+                                  sig2, consts2, num_warps=4, num_stages=stages))
             hpg = HQ // G
             qc = min(nq, 128 // hpg)
             ma = max(16, triton.next_power_of_2(qc * hpg))
             kv = "*bf16"
             sig = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", pt_ptr="*i32",
                        pt_stride="i32", sl_ptr="*i32", bidx_ptr="*i32", op_ptr="*fp32", lp_ptr="*fp32",
-                       qk_scale="fp32", NSA="i32")
-            consts = dict(NQ=nq, G=G, HPG=hpg, D=D, PS=PS, TOPK=TOPK, KP=16, QC=qc, NQC=-(-nq // qc), MA=ma,
-                          KV_FP8=False, CODE=0, USE_PDL=False)
+                       o_ptr="*bf16", lse_ptr="*fp32", cnt3_ptr="*i32", qk_scale="fp32", NSA="i32")
             if idx == "bf16":
-                rows.append(build(f"attn nq={nq}", K._attn_kernel, sig, consts, num_warps=4 if ma <= 64 else 8,
-                                  num_stages=1))
+                for fuse in (False, True):
+                    consts = dict(NQ=nq, G=G, HPG=hpg, D=D, PS=PS, TOPK=TOPK, KP=16, QC=qc, NQC=-(-nq // qc), MA=ma,
+                                  KV_FP8=False, CODE=0, USE_PDL=False, FUSE_COMBINE=fuse, NSA_PAD=16, RETURN_LSE=False)
+                    rows.append(build(f"attn nq={nq}{' fused combine' if fuse else ''}", K._attn_kernel, sig, consts,
+                                      num_warps=4 if ma <= 64 else 8, num_stages=1))
     return rows

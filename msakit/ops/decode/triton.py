@@ -1,6 +1,7 @@
 """Triton kernels of `msa_decode` (batched, split-K, no host sync, CUDA-graph capturable).
 
-Three launches per call (plus two small merge launches when `fused_select=False`):
+Three launches per call (two with fuse_combine; plus two small merge launches when
+`fused_select=False`):
 
 1. `_score_kernel`, grid (S, B): split s of sequence b scores the pages
    [s * n / S, (s + 1) * n / S) of its n = ceil(L / page_size) pages.  One read of an
@@ -19,12 +20,28 @@ Three launches per call (plus two small merge launches when `fused_select=False`
    first, -1 padded).  The merges are tl.topk's bitonic merge-and-halve stages on the presorted
    lists (no serial rounds).  The counters return to 0 for the next call.  With
    fused_select=False the same two merges run as two small kernels instead.
+1'. `_score2_kernel` (plan score_impl="v2", the default), same grid and selection merges: the
+   page is the MMA's M dimension, S^T [PS, MP] = K [PS, Di] @ Q^T [Di, MP] (on Hopper a
+   wgmma with the key tile straight from shared memory: no per-page register round trip of the
+   tile; loads through a tensor map (score_load="tma") or cp.async), fp8 keys are scored as
+   fp16 tensor-core products with the query pre-scaled by a power of 2 per row (e4m3 -> fp16
+   is one cheap unpack per 2 values, where v1's e4m3 -> fp16 -> bf16 path spent a
+   quarter-rate F2F per value: that conversion, not the memory, bounded v1's fp8 scoring at
+   ~1.7-2 TB/s).  The loop only stores each page's block max per row to bmax [B, W, MR]
+   (no per-page top-k update: v1 spent ~10 CTA barriers and ~300 instructions per warp and
+   page on it); after the loop the split's top-KP list is built once from its maxima, in
+   chunks of PCH pages (tl.topk, then a bitonic merge with the running list), and goes to
+   the same cand buffer and fused merges as v1.  Selections equal v1's (the same keys; the
+   dot differs only in summation order).
 2. `_attn_kernel`, grid (NSA, G * NQC, B): the (query-chunk, group) rows -- the hpg heads of
    the group times the chunk's queries, M = hpg * QC rows padded to 16 -- attend the union
    of the chunk's selected blocks; split a of NSA takes a contiguous share of the chunk's
    flattened (query, slot) selection entries, skipping -1 and any block already listed by an
    earlier entry, and masks the rows of queries that did not select the block (and causally
    per token).  Writes a normalized partial output and its log2-sum-exp per row.
+   With the plan's fuse_combine (default), the last split of each (sequence, group, query
+   chunk) to finish (an atomic counter, acq_rel, after a CTA barrier; reset to 0) merges the
+   NSA partials itself and the third launch is skipped.
 3. `_combine_kernel`, grid (QC * hpg, G * NQC, B): LSE merge of the NSA partials.
 
 Everything reads the lengths from device memory; grids depend on shapes only (batch, nq,
@@ -36,7 +53,11 @@ Checked without a GPU (bench.compile_report): every kernel compiles for sm_90 (T
 ptxas) at the M3 shape without register spills (scoring: 96 registers bf16 / 128 fp8 at
 nq = 1, 168 at nq = 8; attention 214-227); the index-key tile load of the scoring loop is
 software-pipelined (cp.async; one page in flight per program besides the one being scored at
-num_stages 3, two at 5 -- the page-table indirection takes one stage).
+num_stages 3, two at 5 -- the page-table indirection takes one stage).  v2 (same check): 72
+registers bf16 / 120 fp8 at nq = 1, 128 / 157 at nq = 8, no spills; HGMMA 64x16x16; 3 key
+pages in shared memory (bf16 at num_stages 5: 100 KiB, fp8 at 7: 54 KiB); per page and warp
+~210 instructions and 7 CTA barriers (bf16) / ~350 and 7 (fp8) with 4 warps, against v1's
+~294 x 8 warps and 10 barriers (bf16) / ~494 x 8 warps with 64 quarter-rate F2F (fp8).
 """
 
 from __future__ import annotations
@@ -210,24 +231,147 @@ def _score_kernel(
     cbase = (b64 * S + s) * (MR * KP)
     tl.store(cand_ptr + cbase + mrow[:, None].to(tl.int64) * KP + kcol[None, :], lst, mask=(mrow < MR)[:, None])
     if FUSED:
-        c = s // CL
-        n_in = tl.minimum(CL, S - c * CL)
-        tl.debug_barrier()  # every thread's candidate stores precede the release below
-        old = tl.atomic_add(cnt1_ptr + b64 * NC + c, 1, sem="acq_rel", scope="gpu")
-        if old == n_in - 1:  # last split of the cluster
-            tl.store(cnt1_ptr + b64 * NC + c, 0)
-            src = (b64 * S + c * CL) * (MR * KP)
-            if NC == 1:
-                _merge(cand_ptr, src, n_in, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP, CL, RB1)
-            else:
-                _merge(cand_ptr, src, n_in, cand2_ptr, (b64 * NC + c) * (MR * KP), b, (c % 2) == 1, False,
-                       NQ, G, TOPK, MR, KP, CL, RB1)
-                tl.debug_barrier()
-                old2 = tl.atomic_add(cnt2_ptr + b, 1, sem="acq_rel", scope="gpu")
-                if old2 == NC - 1:  # last cluster of the sequence
-                    tl.store(cnt2_ptr + b, 0)
-                    _merge(cand2_ptr, b64 * NC * (MR * KP), NC, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP,
-                           NC_PAD, RB2)
+        _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
+                    NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
+
+
+@triton.jit
+def _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
+                NQ: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, MR: tl.constexpr, KP: tl.constexpr,
+                CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr):
+    """The fused selection merge ("last arriver") after split s of sequence b stored its list."""
+    b64 = b.to(tl.int64)
+    c = s // CL
+    n_in = tl.minimum(CL, S - c * CL)
+    tl.debug_barrier()  # every thread's candidate stores precede the release below
+    old = tl.atomic_add(cnt1_ptr + b64 * NC + c, 1, sem="acq_rel", scope="gpu")
+    if old == n_in - 1:  # last split of the cluster
+        tl.store(cnt1_ptr + b64 * NC + c, 0)
+        src = (b64 * S + c * CL) * (MR * KP)
+        if NC == 1:
+            _merge(cand_ptr, src, n_in, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP, CL, RB1)
+        else:
+            _merge(cand_ptr, src, n_in, cand2_ptr, (b64 * NC + c) * (MR * KP), b, (c % 2) == 1, False,
+                   NQ, G, TOPK, MR, KP, CL, RB1)
+            tl.debug_barrier()
+            old2 = tl.atomic_add(cnt2_ptr + b, 1, sem="acq_rel", scope="gpu")
+            if old2 == NC - 1:  # last cluster of the sequence
+                tl.store(cnt2_ptr + b, 0)
+                _merge(cand2_ptr, b64 * NC * (MR * KP), NC, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP,
+                       NC_PAD, RB2)
+
+
+@triton.jit
+def _prescale_exp(amax):
+    """Biased fp32 exponent field of a power-of-2 row scale for the fp16 scoring of fp8 keys:
+    q * 2^(141 - E) < 2^15 (E the exponent field of the row's amax), so the bf16 query converts to
+    fp16 exactly (down to ~2^-21 of the row max) and the fp8 x fp16 tensor-core products are
+    exact; clamped so that the scale and its inverse stay normal numbers."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(tl.maximum(e, 15), 254)
+
+
+@triton.jit
+def _top_of_two(run, top, KP: tl.constexpr):
+    """Top-KP (descending) of the union of two descending [R, KP] key lists."""
+    x = tl.join(tl.flip(run, 1), top)  # [R, KP, 2]: an ascending then a descending chunk
+    x = tl.reshape(tl.permute(x, (0, 2, 1)), [run.shape[0], 2 * KP])
+    return _topk_of_sorted_chunks(x, KP)
+
+
+@triton.jit
+def _score2_kernel(
+    qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr,
+    cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr,
+    S, NC, W,
+    NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, IDX_FP8: tl.constexpr, CODE: tl.constexpr,
+    TMA: tl.constexpr, PCH: tl.constexpr,
+    FUSED: tl.constexpr, CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Scoring v2 (see the module docstring): S^T = K Q^T per page (the page's PS tokens are the
+    M dimension: Hopper wgmma with the key tile straight from shared memory), block max per row
+    stored to bmax [B, W, MR]; the split's top-KP list is built once after the loop.  With
+    USE_PDL the grid itself is launched with programmatic dependent launch: it waits for the
+    previous grid (which wrote the cache and the queries) before its first global read."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    L = tl.load(sl_ptr + b)
+    npg = (L + PS - 1) // PS
+    p0 = ((s * npg.to(tl.int64)) // S).to(tl.int32)
+    p1 = (((s + 1) * npg.to(tl.int64)) // S).to(tl.int32)
+
+    m = tl.arange(0, MP)
+    pos_m = L - NQ + m // G  # position of row m's query
+    d = tl.arange(0, DI)
+    t = tl.arange(0, PS)
+    qt = tl.load(qi_ptr + (b64 * (NQ * G) + m[None, :]) * DI + d[:, None], mask=(m < NQ * G)[None, :], other=0.0)
+    if CODE == 3:  # fp8 keys, 16-bit query: fp16 tensor-core dots of the exactly pre-scaled query
+        qt = qt.to(tl.float32)
+        e = _prescale_exp(tl.max(tl.abs(qt), axis=0))
+        qt = (qt * ((268 - e) << 23).to(tl.float32, bitcast=True)[None, :]).to(tl.float16)
+    else:
+        qt = _to_dot(qt, CODE)
+    brow = bmax_ptr + b64 * W * MR
+    for p in tl.range(p0, p1, num_stages=NUM_STAGES):
+        # evict_last: the page table and the block maxima stay in L2 while the keys stream through
+        # (the attention grid reads the selected pages' entries, the end pass below the maxima)
+        phys = tl.load(pt_ptr + b64 * pt_stride + p, eviction_policy="evict_last")
+        if TMA:
+            kt = kdesc.load([phys * PS, 0])  # [PS, DI]
+        else:
+            kt = tl.load(kidx_ptr + phys.to(tl.int64) * (PS * DI) + t[:, None] * DI + d[None, :])
+        if CODE == 3:
+            sc = tl.dot(kt.to(tl.float16), qt)  # [PS, MP] fp32
+        else:
+            sc = _dot(_to_dot(kt, CODE), qt, CODE)
+        if IDX_FP8:
+            ks = tl.load(kscale_ptr + phys.to(tl.int64) * PS + t)
+            sc = sc * ks[:, None]
+        sc = tl.where((p * PS + t)[:, None] <= pos_m[None, :], sc, float("-inf"))
+        tl.store(brow + p * MR + m, tl.max(sc, axis=0), mask=m < MR, eviction_policy="evict_last")
+
+    # the split's top-KP per row from its block maxima (this CTA's own stores: a CTA barrier orders them)
+    tl.debug_barrier()
+    r = tl.arange(0, MR)
+    pos_r = L - NQ + r // G
+    own = tl.where(pos_r >= 0, pos_r // PS, -1)[:, None]
+    if CODE == 3:  # undo the query's power-of-2 scale (exact)
+        qr = tl.load(qi_ptr + (b64 * (NQ * G) + r[:, None]) * DI + d[None, :], mask=(r < NQ * G)[:, None],
+                     other=0.0).to(tl.float32)
+        inv = ((_prescale_exp(tl.max(tl.abs(qr), axis=1)) - 14) << 23).to(tl.float32, bitcast=True)[:, None]
+    kcol = tl.arange(0, KP)
+    run = tl.full([MR, KP], INT64_MIN, tl.int64)
+    c = tl.arange(0, PCH)
+    for c0 in range(p0, p1, PCH):
+        pg = (c0 + c)[None, :]
+        ok = pg < p1
+        v = tl.load(brow + pg * MR + r[:, None], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        if CODE == 3:
+            v = v * inv
+        forced = ((pg <= own) & (pg > own - LOCAL)) | ((pg < INIT) & (pg <= own))
+        v = tl.where(forced, float("inf"), v)
+        v = tl.where(pg <= own, v, float("-inf"))
+        key = tl.where(ok, _pack(v, pg + tl.zeros([MR, PCH], tl.int32)), INT64_MIN)
+        if PCH == KP:
+            top = tl.sort(key, dim=1, descending=True)
+        else:
+            top = tl.topk(key, KP, dim=1)
+        if c0 == p0:
+            run = top
+        else:
+            run = _top_of_two(run, top, KP)
+    lst = tl.where((s % 2) == 1, run, tl.flip(run, 1))  # the merges expect even lists ascending, odd descending
+    tl.store(cand_ptr + (b64 * S + s) * (MR * KP) + r[:, None].to(tl.int64) * KP + kcol[None, :], lst)
+    if FUSED:
+        _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
+                    NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
 
 
 @triton.jit
@@ -258,10 +402,12 @@ def _merge2_kernel(cand2_ptr, bidx_ptr, NC,
 @triton.jit
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pt_ptr, pt_stride, sl_ptr, bidx_ptr, op_ptr, lp_ptr,
+    o_ptr, lse_ptr, cnt3_ptr,
     qk_scale, NSA,
     NQ: tl.constexpr, G: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
     KV_FP8: tl.constexpr, CODE: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSE_COMBINE: tl.constexpr = False, NSA_PAD: tl.constexpr = 1, RETURN_LSE: tl.constexpr = False,
 ):
     if USE_PDL:
         gdc_launch_dependents()
@@ -335,6 +481,32 @@ def _attn_kernel(
     row = ((b64 * G + r) * NQC + qc) * NSA + s
     tl.store(op_ptr + (row * MA + m[:, None]) * D + dd[None, :], o)
     tl.store(lp_ptr + row * MA + m, lse2)
+    if FUSE_COMBINE:  # the last split of this (sequence, group, query chunk) to finish merges the NSA partials
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        cidx = (b64 * G + r) * NQC + qc
+        old = tl.atomic_add(cnt3_ptr + cidx, 1, sem="acq_rel", scope="gpu")
+        if old == NSA - 1:
+            tl.store(cnt3_ptr + cidx, 0)
+            base = cidx * NSA
+            sp = tl.arange(0, NSA_PAD)
+            lse_all = tl.load(lp_ptr + (base + sp[:, None]) * MA + m[None, :], mask=(sp < NSA)[:, None],
+                              other=float("-inf"), cache_modifier=".cg")  # [NSA_PAD, MA]
+            mx = tl.max(lse_all, axis=0)
+            mxs = tl.where(mx == float("-inf"), 0.0, mx)
+            den = tl.sum(tl.exp2(lse_all - mxs[None, :]), axis=0)
+            acc = tl.zeros([MA, D], tl.float32)
+            for j in range(0, NSA):
+                lj = tl.load(lp_ptr + (base + j) * MA + m, cache_modifier=".cg")
+                pj = tl.load(op_ptr + ((base + j) * MA + m[:, None]) * D + dd[None, :], cache_modifier=".cg")
+                acc += tl.exp2(lj - mxs)[:, None] * pj
+            ok = den > 0.0
+            o = acc / tl.where(ok, den, 1.0)[:, None]
+            h = r * HPG + h_m
+            tl.store(o_ptr + ((b64 * NQ + i_m[:, None]) * (G * HPG) + h[:, None]) * D + dd[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            if RETURN_LSE:
+                val = tl.where(ok, (mxs + tl.log2(tl.where(ok, den, 1.0))) * LN2_C, float("-inf"))
+                tl.store(lse_ptr + (b64 * (G * HPG) + h) * NQ + i_m, val, mask=row_ok)
 
 
 @triton.jit
@@ -372,6 +544,18 @@ def _combine_kernel(
             tl.store(lse_ptr + (b64 * (G * HPG) + h) * NQ + i, val)
 
 
+def _tma_ok(k_idx: torch.Tensor) -> bool:
+    """Whether the index-key pool [P, PS, Di] can be read through one [P * PS, Di] tensor map."""
+    return k_idx.is_contiguous() and k_idx.data_ptr() % 16 == 0 and (k_idx.shape[2] * k_idx.element_size()) % 16 == 0
+
+
+def _index_desc(k_idx: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    P, PS, DI = k_idx.shape
+    return TensorDescriptor(k_idx.view(P * PS, DI), [P * PS, DI], [DI, 1], [PS, DI])
+
+
 def _rows_per_merge(mr: int, width: int, budget: int = 4096) -> int:
     """Rows merged at once so that a [rows, width] int64 tile stays ~32 registers per thread."""
     return max(1, min(mr, budget // width))
@@ -397,14 +581,30 @@ def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse
     NC_PAD = next_pow2(NC)
     RB1 = _rows_per_merge(plan.mr, plan.cluster * plan.kp, plan.merge_budget)
     RB2 = _rows_per_merge(plan.mr, NC_PAD * plan.kp, plan.merge_budget)
-    _score_kernel[(S, B)](
-        q_idx, pools.k_idx, pools.k_idx_scale if pools.index_fp8 else dummy, page_table, pt_stride, seq_lens,
-        plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC,
-        NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
-        LOCAL=plan.local_blocks, INIT=plan.init_blocks, IDX_FP8=pools.index_fp8, CODE=code_idx,
-        FUSED=plan.fused_select, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2, NUM_STAGES=plan.score_stages,
-        USE_PDL=pdl, num_warps=plan.score_warps, num_stages=plan.score_stages,
-    )
+    kscale = pools.k_idx_scale if pools.index_fp8 else dummy
+    if getattr(plan, "score_impl", "v1") == "v2":
+        if pools.index_fp8 and q_idx.dtype == torch.bfloat16:
+            code_idx = 3  # exact fp16 products of the fp8 keys and the power-of-2 pre-scaled query
+        tma = plan.score_load == "tma" and _tma_ok(pools.k_idx)
+        kdesc = _index_desc(pools.k_idx) if tma else dummy
+        _score2_kernel[(S, B)](
+            q_idx, pools.k_idx, kdesc, kscale, page_table, pt_stride, seq_lens, plan.bmax,
+            plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC, plan.bmax.shape[1],
+            NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
+            LOCAL=plan.local_blocks, INIT=plan.init_blocks, IDX_FP8=pools.index_fp8, CODE=code_idx,
+            TMA=tma, PCH=plan.pch, FUSED=plan.fused_select, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
+            NUM_STAGES=plan.score_stages, USE_PDL=pdl, num_warps=plan.score_warps, num_stages=plan.score_stages,
+            **pdl_kw,
+        )
+    else:
+        _score_kernel[(S, B)](
+            q_idx, pools.k_idx, kscale, page_table, pt_stride, seq_lens,
+            plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC,
+            NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
+            LOCAL=plan.local_blocks, INIT=plan.init_blocks, IDX_FP8=pools.index_fp8, CODE=code_idx,
+            FUSED=plan.fused_select, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
+            NUM_STAGES=plan.score_stages, USE_PDL=pdl, num_warps=plan.score_warps, num_stages=plan.score_stages,
+        )
     if not plan.fused_select:
         _merge1_kernel[(NC, B)](plan.cand, plan.cand2, plan.block_idx, S, NC, NQ=NQ, G=G, TOPK=plan.topk,
                                 MR=plan.mr, KP=plan.kp, CL=plan.cluster, RB1=RB1, num_warps=4)
@@ -414,14 +614,19 @@ def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse
     if phases == "select":
         return None, None
     NSA, QC, NQC, MA = plan.attn_splits, plan.qc, plan.nqc, plan.ma
-    _attn_kernel[(NSA, G * NQC, B)](
-        q, pools.k, pools.v, pools.k_scale if pools.kv_fp8 else dummy, pools.v_scale if pools.kv_fp8 else dummy,
-        page_table, pt_stride, seq_lens, plan.block_idx, plan.o_part, plan.lse_part, scale * LOG2E, NSA,
-        NQ=NQ, G=G, HPG=HPG, D=D, PS=PS, TOPK=plan.topk, KP=plan.kp, QC=QC, NQC=NQC, MA=MA,
-        KV_FP8=pools.kv_fp8, CODE=code_kv, USE_PDL=pdl, num_warps=plan.attn_warps, num_stages=1, **pdl_kw,
-    )
     o = torch.empty_like(q)
     lse = torch.empty(B, HQ, NQ, dtype=torch.float32, device=q.device) if return_lse else plan.lse_part
+    fuse = bool(getattr(plan, "fuse_combine", False))
+    _attn_kernel[(NSA, G * NQC, B)](
+        q, pools.k, pools.v, pools.k_scale if pools.kv_fp8 else dummy, pools.v_scale if pools.kv_fp8 else dummy,
+        page_table, pt_stride, seq_lens, plan.block_idx, plan.o_part, plan.lse_part,
+        o if fuse else dummy, lse if fuse else dummy, plan.cnt3 if fuse else dummy, scale * LOG2E, NSA,
+        NQ=NQ, G=G, HPG=HPG, D=D, PS=PS, TOPK=plan.topk, KP=plan.kp, QC=QC, NQC=NQC, MA=MA,
+        KV_FP8=pools.kv_fp8, CODE=code_kv, USE_PDL=pdl, FUSE_COMBINE=fuse, NSA_PAD=next_pow2(NSA),
+        RETURN_LSE=return_lse, num_warps=plan.attn_warps, num_stages=1, **pdl_kw,
+    )
+    if fuse:
+        return o, (lse if return_lse else None)
     _combine_kernel[(QC * HPG, G * NQC, B)](
         plan.o_part, plan.lse_part, o, lse, NSA, NQ=NQ, G=G, HPG=HPG, D=D, QC=QC, NQC=NQC, MA=MA,
         NSA_PAD=next_pow2(NSA), RETURN_LSE=return_lse, USE_PDL=pdl,
