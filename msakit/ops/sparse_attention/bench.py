@@ -11,6 +11,15 @@ to be fully written, median times of the forward and of forward + backward, effe
 (forward 4*Hq*D*topk*bs*T, backward 2.5x that) and the peak extra memory.  With sweep=True the
 kernel configs of `triton.FWD_CONFIGS` / `BWD_CONFIGS` are timed first at sweep_T and the fastest
 are used for the rest (reported as rows with "sweep" set).
+
+A/B of the session-3 variants (merge kernels, work-list builders, forward configs, overlap),
+with correctness checks, one table per T (the lead's GPU call):
+
+    from msakit.ops.sparse_attention.bench import ab_run
+    ab_run((16384, 131072))
+
+`compile_report()` compiles every kernel variant for sm_90 without a GPU (registers, spills,
+shared memory, SASS counts).
 """
 
 from __future__ import annotations
@@ -428,3 +437,270 @@ def gpu_run(T: int = 131072, check_T: int = 16384, device="cuda") -> dict:
     out["check"] = check_and_bench((check_T,), device, sweep=False, full_check_T=check_T, bwd_check_T=check_T, verbose=False)
     print(json.dumps(out, default=str), flush=True)
     return out
+
+
+# ----------------------------------------------------------------------------- compile report (no GPU)
+
+def compile_report(arch: int = 90, T: int = 131072, fwd=None, merges=None, worklist: bool = True, sass: bool = False) -> list[dict]:
+    """Compile the forward kernels (FWD_CONFIGS, or the names in `fwd`), the merge variants
+    (MERGE_CONFIGS or `merges`) and the work-list kernels at the M3 shape for sm_<arch> WITHOUT
+    a GPU (Triton's bundled ptxas; run with TRITON_INTERPRET unset) and report registers,
+    spills (stack bytes) and shared memory; sass=True adds per kernel the SASS counts of global
+    loads / stores, TMA stores and barriers."""
+    import triton
+
+    from msakit._cuda_compile import compile_cuda, cuobjdump, res_usage
+
+    from . import triton as K
+
+    s = M3_SHAPE
+    Hq, G, D, bs, KS = s["Hq"], s["G"], s["D"], s["block_size"], s["topk"]
+    geo = K._Geom(1, T, T, Hq, G, D, KS, Hq // G, bs, G * (T // bs + 2))
+    C = K._chunk_rows(geo, 2, 4, None, K.CHUNK_BYTES)
+    rows = []
+
+    def build(name, fn, sig, consts, **opts):
+        try:
+            k = compile_cuda(fn, sig, consts, capability=arch, **opts)
+            row = {"kernel": name, **res_usage(k)}
+            if sass:
+                _, sa = cuobjdump(k)
+                row.update(ldg=sa.count("LDG."), stg=sa.count("STG."), tma_store=sa.count("UTMASTG"),
+                           bar=sa.count("BAR.SYNC"), lds=sa.count("LDS."), sts=sa.count("STS."))
+        except Exception as ex:  # reported, not fatal
+            row = {"kernel": name, "error": f"{type(ex).__name__}: {ex}"[:400]}
+        print(row, flush=True)
+        rows.append(row)
+
+    for name in fwd or K.FWD_CONFIGS:
+        cfg = K.FWD_CONFIGS[name]
+        q_tile, bm, bn, bd, _ = K._tile(cfg, geo)
+        tma = cfg.tma_store and bm == q_tile * geo.hpg and bd == D
+        sig = dict(Q="*bf16", K="*bf16", V="*bf16", OP="*bf16", LP="*fp32", ENT_Q="*i32", IT_KEY="*i64",
+                   IT_START="*i64", IT_COUNT="*i32", N=T, n0=C, qk_scale=0.1, C_ROWS=C)
+        consts = dict(HQ=Hq, G=G, D=D, KS=KS, BS=bs, HPG=geo.hpg, Q_TILE=q_tile, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+                      PREC="tf32", UPCAST=False, PREFETCH=cfg.prefetch, SKIP_EMPTY=False, QREG=cfg.qreg, ABL=0,
+                      TMA_STORE=tma, SCALAR_DIAG=cfg.scalar_diag)
+        if tma:
+            sig["OP_DESC"] = f"tensordesc<bf16[{bm}, {bd}]>"
+        else:
+            consts["OP_DESC"] = None
+        build(f"fwd {name}", K._sa_fwd_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for name in merges or K.MERGE_CONFIGS:
+        mc = K.MERGE_CONFIGS[name]
+        sig = dict(P="*bf16", LP="*fp32", NV="*i32", INV="*i32", OUT="*bf16", LSE="*fp32", n0=C, C=C, T=T)
+        if mc.version == 1:
+            rbt, rbh, rbd = K._reduce_tile(Hq, D)
+            consts = dict(HQ=Hq, D=D, KS=KS, HPG=geo.hpg, WEIGHTED=True, BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd)
+            build(f"merge {name}", K._sa_slot_reduce_kernel, sig, consts, num_warps=K.REDUCE_WARPS, num_stages=1)
+        else:
+            bhp = triton.next_power_of_2(geo.hpg)
+            consts = dict(HQ=Hq, D=D, KS=KS, HPG=geo.hpg, WEIGHTED=True, BLOCK_T=max(1, mc.block_t * 16 // bhp),
+                          BLOCK_HP=bhp, BLOCK_D=D, BLOCK_K=triton.next_power_of_2(KS), NUM_STAGES=mc.num_stages,
+                          EVICT=mc.evict)
+            build(f"merge {name}", K._sa_slot_merge_kernel, sig, consts, num_warps=mc.num_warps, num_stages=mc.num_stages)
+    if worklist:
+        bk = triton.next_power_of_2(KS)
+        sig = dict(SEL="*i32", s_g=T * KS, s_t=KS, s_k=1, DOC="*i64", KEY="*i32", NV="*i32",
+                   n0=C, C=C, N=T, T=T, kspace=G * T)
+        build("worklist canon", K._wl_canon_kernel, sig, dict(K=KS, BS=bs, HAS_DOC=False, BLOCK_R=max(1, min(32, 4096 // (bk * bk))), BLOCK_K=bk), num_warps=4)
+        M = G * C * KS
+        sig = dict(SKEY="*i32", ORDER="*i64", ENT_Q="*i32", INV="*i32", FIRST="*i32", M=M, n0=C, C=C, kspace=G * T,
+                   item_q=64, NSTEPS=21)
+        build("worklist entry", K._wl_entry_kernel, sig, dict(K=KS, BLOCK=1024), num_warps=4)
+        sig = dict(SKEY="*i32", FIRST="*i32", CSUM="*i32", IT_KEY="*i64", IT_START="*i64", IT_COUNT="*i32", M=M,
+                   item_q=64, NSTEPS=7)
+        build("worklist item", K._wl_item_kernel, sig, dict(BLOCK=1024), num_warps=4)
+    return rows
+
+
+# ----------------------------------------------------------------------------- A/B of the session-3 variants
+
+def _chunk_setup(kernels, inp, cfg_name: str = "m64w4p"):
+    """A middle chunk of the forward at the M3 shape: (geo, cfg, n0, c, sel, item_q)."""
+    q, k, v, bi, _ = inp
+    K = kernels
+    geo = K._geom(q, k, bi, M3_SHAPE["block_size"], None)
+    cfg = K.FWD_CONFIGS[cfg_name]
+    item_q = K._tile(cfg, geo)[4]
+    C = K._chunk_rows(geo, q.dtype.itemsize, 4, None, cfg.chunk_bytes or K.CHUNK_BYTES)
+    n0 = max(0, min((geo.N // 2) // C * C, geo.N - C))
+    return geo, cfg, n0, min(C, geo.N - n0), K._selection_rows(bi, geo), item_q
+
+
+def ab_run(
+    T_list=(16384, 131072),
+    merges=None,
+    fwd_configs=None,
+    reps: int = 3,
+    n_check_rows: int = 256,
+    apply: bool = False,
+    verbose: bool = True,
+) -> dict:
+    """A/B of the forward's variants on the GPU at the M3 shape, per T:
+
+    1. work list of one middle chunk: `_build_items` (torch) vs `_build_items_tl` (triton), ms
+       per chunk and x chunks, fields compared (same);
+    2. slot merge of that chunk (partials from the main kernel) for every MERGE_CONFIGS entry
+       (or `merges`): ms per chunk, x chunks, effective TB/s of the partial reads, bit-equal to v1;
+       also the backward's unweighted dq reduce (v1 vs the fastest v2);
+    3. the whole forward (`sparse_attention_fwd_triton`): baseline (m64w4p / v1 / torch work
+       list / no overlap) -> + triton work list -> + fastest merge -> + overlap, then every
+       FWD_CONFIGS entry (or `fwd_configs`) with the best of those; each with its time, the gain
+       over the baseline, bit equality with the baseline and the error against the fp32 reference
+       on n_check_rows sampled rows (and all rows written: NaN-poisoned outputs).
+    Prints one table per T and returns {T: rows}; apply=True sets FWD_DEFAULT, MERGE_DEFAULT,
+    WORKLIST and OVERLAP to the fastest forward seen at the largest T."""
+    from . import triton as K
+
+    out: dict = {}
+    best_all = None
+    for T in T_list:
+        rows: list[dict] = []
+
+        def add(**r):
+            rows.append(r)
+            if verbose:
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+
+        inp = _m3_inputs(T)
+        q, k, v, bi, _ = inp
+        dev = q.device
+        bs = M3_SHAPE["block_size"]
+        scale = 1.0 / math.sqrt(M3_SHAPE["D"])
+        geo, cfg, n0, c, sel, item_q = _chunk_setup(K, inp)
+        nchunks = -(-geo.N // (K._chunk_rows(geo, 2, 4, None, K.CHUNK_BYTES)))
+        # 1. work list
+        its = {}
+        for wl in ("torch", "triton"):
+            try:
+                ms = _time_quick(lambda: K._items(sel, n0, c, geo, None, bs, item_q, dev, wl), reps)
+                its[wl] = K._items(sel, n0, c, geo, None, bs, item_q, dev, wl)
+                same = ""
+                if wl != "torch" and "torch" in its:
+                    a, b = its[wl], its["torch"]
+                    real = b.it_count > 0
+                    same = all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("ent_q", "inv", "nvalid", "it_count")) and all(
+                        torch.equal(getattr(a, f)[real], getattr(b, f)[real]) for f in ("it_key", "it_start"))
+                add(T=T, part="worklist", variant=wl, ms_chunk=ms, ms_total_est=ms * nchunks, same_as_base=same)
+            except Exception as ex:  # reported, not fatal
+                add(T=T, part="worklist", variant=wl, error=f"{type(ex).__name__}: {ex}"[:300])
+        it = its["torch"]
+        # 2. merge (and the backward's reduce) on the chunk's partials
+        OP = torch.empty((c, geo.KS, geo.Hq, geo.D), dtype=q.dtype, device=dev)
+        LP = torch.empty((c, geo.KS, geo.Hq), dtype=torch.float32, device=dev)
+        K._fwd_main(q.contiguous(), k.contiguous(), v.contiguous(), OP, LP, None, it, geo, n0, c, cfg, scale * 1.4426950408889634, False)
+        nval = int(it.nvalid.sum())
+        gbytes = (nval * geo.hpg * (geo.D * 2 + 4) + c * geo.Hq * (geo.D * 2 + 4)) / 1e9
+        ref_o, ref_l = torch.full_like(q, float("nan")), torch.full((1, geo.Hq, T), float("nan"), device=dev)
+        K._merge(K.MERGE_CONFIGS["v1"], OP, LP, it, ref_o, ref_l, n0, c, geo, True)
+        mtimes = {}
+        for name in merges or K.MERGE_CONFIGS:
+            mc = K.MERGE_CONFIGS[name]
+            try:
+                o_m, l_m = torch.full_like(q, float("nan")), torch.full_like(ref_l, float("nan"))
+                ms = _time_quick(lambda: K._merge(mc, OP, LP, it, o_m, l_m, n0, c, geo, True), reps)
+                same = bool(torch.equal(o_m[0, n0 : n0 + c], ref_o[0, n0 : n0 + c]) and torch.equal(l_m[..., n0 : n0 + c], ref_l[..., n0 : n0 + c]))
+                mtimes[name] = ms
+                add(T=T, part="merge", variant=name, ms_chunk=ms, ms_total_est=ms * nchunks, TBps=gbytes / ms, same_as_base=same)
+            except Exception as ex:
+                add(T=T, part="merge", variant=name, error=f"{type(ex).__name__}: {ex}"[:300])
+        best_m = min(mtimes, key=mtimes.get) if mtimes else "v1"
+        red_base = None
+        for name in dict.fromkeys(("v1", best_m if best_m != "v1" else "v2s3t1")):
+            try:
+                dq = torch.full_like(q, float("nan"))
+                ms = _time_quick(lambda: K._merge(K.MERGE_CONFIGS[name], OP, OP, it, dq, dq, n0, c, geo, False), reps)
+                red_base = dq.clone() if red_base is None else red_base
+                add(T=T, part="bwd reduce", variant=name, ms_chunk=ms, ms_total_est=ms * nchunks,
+                    same_as_base=bool(torch.equal(dq[0, n0 : n0 + c], red_base[0, n0 : n0 + c])))
+            except Exception as ex:
+                add(T=T, part="bwd reduce", variant=name, error=f"{type(ex).__name__}: {ex}"[:300])
+        del OP, LP, ref_o, ref_l, its, it
+        torch.cuda.empty_cache()
+        # 3. whole forward
+        gen = torch.Generator().manual_seed(0)
+        chk = sample_rows(T, n_check_rows, bs, gen).to(dev)
+        r_o, r_l = reference_rows(q, k, v, bi, chk, block_size=bs)
+        base = None
+        base_ms = []
+        o = torch.empty_like(q)
+        lse = torch.empty((1, geo.Hq, T), dtype=torch.float32, device=dev)
+
+        def run_fwd(label, **kw):
+            nonlocal base
+            try:
+                o.fill_(float("nan"))
+                lse.fill_(float("nan"))
+                K.sparse_attention_fwd_triton(q, k, v, bi, None, bs, scale, out=o, lse_out=lse, **kw)
+                written = bool(not torch.isnan(o).any() and not torch.isnan(lse).any())
+                err = rel_err(o[0, chk], r_o)
+                lerr = float((lse[0][:, chk] - r_l).abs().nan_to_num().max())
+                same = ""
+                if base is not None:
+                    same = bool(torch.equal(o, base[0]) and torch.equal(lse, base[1]))
+                else:
+                    base = (o.clone(), lse.clone())
+                ms = _time_quick(lambda: K.sparse_attention_fwd_triton(q, k, v, bi, None, bs, scale, out=o, lse_out=lse, **kw), reps)
+                row = dict(T=T, part="forward", variant=label, ms=ms, same_as_base=same, all_written=written,
+                           o_rel_err=err, lse_max_abs_err=lerr)
+                if base_ms:
+                    row["gain_ms"] = base_ms[0] - ms
+                else:
+                    base_ms.append(ms)
+                add(**row)
+                return ms
+            except Exception as ex:
+                add(T=T, part="forward", variant=label, error=f"{type(ex).__name__}: {ex}"[:300])
+                return None
+
+        steps = [
+            ("baseline", dict(config="m64w4p", merge="v1", worklist="torch", overlap=False)),
+            ("+wl", dict(config="m64w4p", merge="v1", worklist="triton", overlap=False)),
+            (f"+wl+{best_m}", dict(config="m64w4p", merge=best_m, worklist="triton", overlap=False)),
+            (f"+wl+{best_m}+overlap", dict(config="m64w4p", merge=best_m, worklist="triton", overlap=True)),
+        ]
+        ftimes = {}
+        for label, kw in steps:
+            ms = run_fwd(label, **kw)
+            if ms is not None:
+                ftimes[label] = (ms, kw)
+        ovl = min((ftimes[l][0], ftimes[l][1]["overlap"]) for l in ftimes if l != "baseline")[1] if len(ftimes) > 1 else False
+        for name in fwd_configs or K.FWD_CONFIGS:
+            if name == "m64w4p":
+                continue
+            kw = dict(config=name, merge=best_m, worklist="triton", overlap=ovl)
+            ms = run_fwd(f"{name}+{best_m}{'+overlap' if ovl else ''}", **kw)
+            if ms is not None:
+                ftimes[f"{name}"] = (ms, kw)
+        if ftimes:
+            lab = min(ftimes, key=lambda x: ftimes[x][0])
+            best_all = ftimes[lab][1]
+            if verbose:
+                print(f"T={T}: fastest forward {lab} {ftimes[lab][0]:.2f} ms ({ftimes[lab][1]})", flush=True)
+        out[T] = rows
+        _print_table(rows)
+        del inp, q, k, v, bi, o, lse, base
+        torch.cuda.empty_cache()
+    if apply and best_all is not None:
+        K.FWD_DEFAULT, K.MERGE_DEFAULT = best_all["config"], best_all["merge"]
+        K.WORKLIST, K.OVERLAP = best_all["worklist"], best_all["overlap"]
+    out["best"] = best_all
+    return out
+
+
+def _print_table(rows: list[dict]) -> None:
+    cols = ["T", "part", "variant", "ms", "ms_chunk", "ms_total_est", "gain_ms", "TBps", "same_as_base", "all_written",
+            "o_rel_err", "lse_max_abs_err", "error"]
+    cols = [c for c in cols if any(c in r for r in rows)]
+
+    def fmt(x):
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 0.01 else f"{x:.3f}"
+        return str(x)
+
+    table = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    w = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w[i]) for i, c in enumerate(cols)))
+    for t in table:
+        print("  ".join(x.ljust(w[i]) for i, x in enumerate(t)), flush=True)

@@ -74,6 +74,26 @@ slots 37% busy, stalls spread over long scoreboard / wait / barrier (the output'
 through shared memory): latency-bound with one warpgroup per CTA and two CTAs per SM.  QREG
 (Q fed to wgmma from registers, which removes the in-loop generic->async proxy fence) measured
 slower (91.8 vs 85.1 ms in run 3), so the default config keeps Q in shared memory.
+
+Session-3 variants (every one gives the baseline's o / lse bit for bit; knobs so that one GPU
+call A/Bs them: `bench.ab_run`; `bench.compile_report` compiles them for sm_90 without a GPU):
+  * merge (MERGE_CONFIGS / MERGE_DEFAULT, "v1" = the measured baseline): `_sa_slot_merge_kernel`
+    takes block_t rows x one group's heads per program (each (row, slot) partial = one 4 KB run),
+    forms the max from one 2-D INV load + one 2-D LP gather, and its slot loop is software-
+    pipelined by Triton (num_stages: cp.async of the next steps' partials into shared memory).
+    v1 (128 registers, 2 CTAs/SM) has at most 2 slots x 16 KB per program in flight, in
+    registers, and waits a DRAM latency per step; "v2s3t1" (64 registers, 17 KB, 8 CTAs/SM)
+    keeps ~2 x 8 KB per program (~128 KB per SM) in flight through the loop.  Reads 34 GB at 128K:
+    10.2 ms = 3.4 TB/s; predicted 8-9 ms (3.9-4.3 TB/s) if latency was the limit.
+  * work list (WORKLIST, "torch" = the baseline): `_build_items_tl` = 3 Triton kernels around
+    torch's one global sort and one cumsum (~10 launches per chunk instead of ~45): the
+    canonical selection by rank counting (no per-row sorts), run starts / item counts by
+    in-kernel binary searches, items scattered to their place (cumsum index, no host sync).
+  * forward configs: scalar_diag (the diagonal-mask test from the sub-tile's first entry: the
+    loop's CTA-wide min, 3 of its 11 barriers, goes), tma_store (full sub-tiles' o by a TMA
+    store), longer items (128, 256): see FWD_CONFIGS.
+  * OVERLAP (off): two half-size partial buffers, each chunk's merge on a high-priority side
+    stream while the next chunk's work list and main kernel run.
 """
 
 from __future__ import annotations
@@ -87,7 +107,9 @@ import triton.language as tl
 
 __all__ = [
     "KernelConfig",
+    "MergeConfig",
     "FWD_CONFIGS",
+    "MERGE_CONFIGS",
     "BWD_CONFIGS",
     "CHUNK_BYTES",
     "BWD_CHUNK_BYTES",
@@ -119,6 +141,24 @@ class KernelConfig:
     prefetch: bool = True
     qreg: bool = False  # forward: Q fed to wgmma from registers (no per-sub-tile proxy fence)
     chunk_bytes: int = 0  # partial-buffer budget per query chunk (0: CHUNK_BYTES / BWD_CHUNK_BYTES)
+    tma_store: bool = False  # forward: full sub-tiles' partial o rows go out by a TMA (descriptor) store
+    scalar_diag: bool = False  # forward: diagonal-block test from the sub-tile's first entry (no CTA-wide min)
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """The forward's slot merge / the backward's dq reduce.  version 1: `_sa_slot_reduce_kernel`
+    (the measured baseline: 64 rows per program, 8 warps; the other fields unused); 2:
+    `_sa_slot_merge_kernel` (same results bit for bit): block_t rows of the chunk x the heads of
+    one group per program (block_t x 16 (row, head) pairs), num_warps, num_stages (> 1: the slot
+    loop software-pipelined through shared memory), evict (eviction hint of the partial loads:
+    "evict_first" or "")."""
+
+    version: int
+    block_t: int = 4
+    num_warps: int = 8
+    num_stages: int = 1
+    evict: str = "evict_first"
 
 
 # Chosen by compiling for sm_90 (ptxas: no spills in any of these; registers / shared memory
@@ -137,17 +177,64 @@ FWD_CONFIGS = {
     "m64w4pq128": KernelConfig(64, 128, 4, 1, True, True),  # longer items: half the K/V loads
     "m64w4pq1g": KernelConfig(64, 64, 4, 1, True, True, 1 << 30),  # 1 GiB chunks (~3.9K rows)
     "m64w4p": KernelConfig(64, 64, 4, 1, True),  # the measured baseline: 255 regs, 80 KB
+    # not yet measured (session 3 candidates):
+    "m64w4p128": KernelConfig(64, 128, 4, 1, True),  # longer items: half the K/V loads and programs
+    "m64w4p256": KernelConfig(64, 256, 4, 1, True),
+    # scalar diagonal test: 3 of the loop's 11 CTA barriers gone (SASS), same results bit for bit
+    "m64w4pd": KernelConfig(64, 64, 4, 1, True, scalar_diag=True),
+    "m64w4pd128": KernelConfig(64, 128, 4, 1, True, scalar_diag=True),
+    "m64w4pqd": KernelConfig(64, 64, 4, 1, True, True, scalar_diag=True),
+    # TMA store of full sub-tiles' o (stmatrix + one bulk copy: 3 barriers instead of 4, but a
+    # second MEMBAR.ALL.CTA per sub-tile, after the next Q rows' loads are issued: may stall on them)
+    "m64w4pdt": KernelConfig(64, 64, 4, 1, True, tma_store=True, scalar_diag=True),
+    "m64w4pqdt": KernelConfig(64, 64, 4, 1, True, True, tma_store=True, scalar_diag=True),
 }
 BWD_CONFIGS = {
     "m32w8p": KernelConfig(32, 256, 8, 1, True),  # 254 regs, 112 KB: 1 CTA/SM
     "m32w8p512": KernelConfig(32, 512, 8, 1, True),  # longer items: half the K/V loads + atomics
     "m32w8p2g": KernelConfig(32, 256, 8, 1, True, False, 2 << 30),  # 2 GiB chunks (~7.8K rows)
 }
-FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4p")  # run 3 sweep: 85.1 ms vs 91.8 (pq) at 128K
+# run 3 sweep: m64w4p 85.1 ms vs 91.8 (pq) at 128K; m64w4pd = m64w4p with scalar_diag (same
+# results bit for bit, 3 fewer barriers per sub-tile; not yet measured: m64w4p to go back)
+FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4pd")
 BWD_DEFAULT = os.environ.get("MSAKIT_SA_BWD_CONFIG", "m32w8p512")  # run 3: 124.2 ms vs 125.1
+# Slot merge (forward) and dq reduce (backward).  "v1" is the measured baseline (10.2 ms of
+# merge at 128K): 64 (row, head) pairs per program whose max pass walks the KS slots with two
+# dependent global loads per slot (INV, then LP) before the first partial is requested.
+MERGE_CONFIGS = {
+    "v1": MergeConfig(1),
+    # v2 (compiled for sm_90: registers, shared memory, CTAs per SM by registers, ~KB of partials
+    # in flight per SM; v1: 128 regs, 2 CTAs, 64 KB in registers, waited on every step)
+    "v2": MergeConfig(2, 4, 8, 1),  # 127 regs, 4 KB, 2 CTAs: v1 + the 2-D INV / LP prefetch
+    "v2s3t1": MergeConfig(2, 1, 4, 3),  # 64 regs, 17 KB, 8 CTAs, ~128 KB (cp.async, 3 stages)
+    "v2s4t1": MergeConfig(2, 1, 4, 4),  # 64 regs, 26 KB, 8 CTAs, ~192 KB
+    "v2s3t2w8": MergeConfig(2, 2, 8, 3),  # 78 regs, 34 KB, 3 CTAs, ~96 KB
+    "v2s3t2": MergeConfig(2, 2, 4, 3),  # 162 regs, 34 KB, 3 CTAs, ~96 KB
+    "v2s2t4w4": MergeConfig(2, 4, 4, 2),  # 168 regs, 34 KB, 3 CTAs, ~96 KB
+    "v2s3t1n": MergeConfig(2, 1, 4, 3, ""),  # v2s3t1 without the eviction hint
+}
+MERGE_DEFAULT = os.environ.get("MSAKIT_SA_MERGE_CONFIG", "v2s3t1")  # not yet measured: v1 to go back
+REDUCE_DEFAULT = os.environ.get("MSAKIT_SA_REDUCE_CONFIG", "v1")  # the backward's dq reduce
+# Work list builder: "torch" (`_build_items`, the measured baseline: ~45 torch ops per chunk,
+# ~3 ms of 55 at 128K) or "triton" (`_build_items_tl`: 3 kernels + torch's sort and cumsum).
+WORKLIST = os.environ.get("MSAKIT_SA_WORKLIST", "triton")
+# Forward only: two half-size partial buffers, chunk i's merge on a high-priority side stream
+# while chunk i+1's work list and main kernel run (same peak memory, twice the chunks).  The
+# merge is memory-bound and the main kernel latency-bound, so the merge's CTAs can take SM slots
+# as main-kernel CTAs retire.  A bet (not yet measured): off by default.
+OVERLAP = os.environ.get("MSAKIT_SA_OVERLAP", "0") == "1"
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(dev: torch.device):
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    st = _SIDE_STREAMS.get(key)
+    if st is None:
+        st = _SIDE_STREAMS[key] = torch.cuda.Stream(device=dev, priority=-100)  # clamped to the highest
+    return st
 # Under the interpreter: small tiles and short items so that tests exercise the sub-tile loop,
 # several items per key and the atomics.
-INTERPRET_FWD = KernelConfig(16, 16, 4, 1)
+INTERPRET_FWD = KernelConfig(16, 16, 4, 1, scalar_diag=True)
 INTERPRET_BWD = KernelConfig(16, 32, 4, 1)
 
 
@@ -253,6 +340,140 @@ def _build_items(
     return _Items(ent_q, it_key, it_start, it_count, nvalid, inv, max_items)
 
 
+# Work list in three Triton kernels around torch's one global sort (WORKLIST = "triton"): the
+# same _Items, bit for bit (padding items aside: theirs are zeros), from ~10 launches per chunk
+# instead of ~45 torch ops (sorts of the rows, masks, two searchsorted, gathers).
+@triton.jit
+def _wl_canon_kernel(
+    SEL, s_g, s_t, s_k, DOC, KEY, NV,
+    n0, C, N, T, kspace,
+    K: tl.constexpr, BS: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Canonical selection of rows n0 + t (t < C) of group program_id(1): the valid distinct
+    blocks (id >= 0 with a token <= the row's position) in ascending order at slots
+    0 .. nv-1 (slot = the block's rank among them: no sort), the sentinel key after them.
+    KEY [G, C, K] = g * N + doc_start + block * BS (kspace for empty slots), NV [G, C] = nv."""
+    t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1).to(tl.int64)
+    okr = t < C
+    kk = tl.arange(0, BLOCK_K)
+    m2 = okr[:, None] & (kk < K)[None, :]
+    x = tl.load(SEL + g * s_g + t[:, None].to(tl.int64) * s_t + kk[None, :] * s_k, mask=m2, other=-1).to(tl.int64)
+    n = n0 + t.to(tl.int64)
+    if HAS_DOC:
+        start = tl.load(DOC + t, mask=okr, other=0)
+    else:
+        start = n - n % T
+    pos = n - start
+    v0 = m2 & (x >= 0) & (x * BS <= pos[:, None])
+    xs = tl.where(v0, x, -1).to(tl.int32)  # valid ids are < 2^31 (<= pos / BS)
+    xi = xs[:, :, None]
+    xj = xs[:, None, :]
+    # a valid id equal to a valid id at a lower position is a duplicate (xj valid => xi valid)
+    dup = tl.max(((xi == xj) & v0[:, None, :] & (kk[None, None, :] < kk[None, :, None])).to(tl.int32), axis=2) > 0
+    u = v0 & (dup == 0)
+    rank = tl.sum(((xj < xi) & u[:, None, :]).to(tl.int32), axis=2)
+    nv = tl.sum(u.to(tl.int32), axis=1)
+    row = (g * C + t) * K
+    key = g * N + start[:, None] + x * BS
+    tl.store(KEY + row[:, None] + rank, key.to(KEY.dtype.element_ty), mask=u)
+    sent = tl.full([BLOCK_R, BLOCK_K], kspace, tl.int64).to(KEY.dtype.element_ty)
+    tl.store(KEY + row[:, None] + kk[None, :], sent, mask=m2 & (kk[None, :] >= nv[:, None]))
+    tl.store(NV + g * C + t, nv, mask=okr)
+
+
+@triton.jit
+def _wl_entry_kernel(SKEY, ORDER, ENT_Q, INV, FIRST, M, n0, C, kspace, item_q, NSTEPS, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Per entry e of the key-sorted list: its query (ENT_Q), INV[ORDER[e]] = e, and FIRST[e] =
+    whether an item starts at e (a valid key and e - (first entry of its key) a multiple of
+    item_q; that first entry by binary search in SKEY[0 : e])."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < M
+    kv = tl.load(SKEY + e, mask=ok, other=kspace)
+    o = tl.load(ORDER + e, mask=ok, other=0)
+    tl.store(ENT_Q + e, (n0 + (o // K) % C).to(tl.int32), mask=ok)
+    tl.store(INV + o, e, mask=ok)
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = e
+    for _ in range(NSTEPS):
+        act = ok & (lo < hi)
+        mid = (lo + hi) // 2
+        v = tl.load(SKEY + mid, mask=act, other=kspace)
+        go = v < kv
+        lo = tl.where(act & go, mid + 1, lo)
+        hi = tl.where(act & (go == 0), mid, hi)
+    first = ok & (kv < kspace) & ((e - lo) % item_q == 0)
+    tl.store(FIRST + e, first.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _wl_item_kernel(SKEY, FIRST, CSUM, IT_KEY, IT_START, IT_COUNT, M, item_q, NSTEPS, BLOCK: tl.constexpr):
+    """Item CSUM[e] - 1 starts at each FIRST entry e: its key, start, and count = entries of
+    the key from e on, at most item_q (binary search in SKEY[e + 1 : e + item_q])."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < M
+    f = tl.load(FIRST + e, mask=ok, other=0) != 0
+    it = tl.load(CSUM + e, mask=f, other=1) - 1
+    kv = tl.load(SKEY + e, mask=f, other=0)
+    lo = e + 1
+    hi = tl.minimum(e + item_q, M)
+    for _ in range(NSTEPS):
+        act = f & (lo < hi)
+        mid = (lo + hi) // 2
+        v = tl.load(SKEY + mid, mask=act, other=0)
+        go = v <= kv
+        lo = tl.where(act & go, mid + 1, lo)
+        hi = tl.where(act & (go == 0), mid, hi)
+    tl.store(IT_KEY + it, kv.to(tl.int64), mask=f)
+    tl.store(IT_START + it, e.to(tl.int64), mask=f)
+    tl.store(IT_COUNT + it, lo - e, mask=f)
+
+
+def _build_items_tl(
+    sel: torch.Tensor,
+    doc_start: torch.Tensor | None,
+    pos: torch.Tensor | None,
+    n0: int,
+    N: int,
+    block_size: int,
+    item_queries: int,
+    nkeys_bound: int,
+    T: int = 0,
+) -> _Items:
+    """`_build_items` with Triton kernels (see `_wl_canon_kernel`).  doc_start = None: documents
+    are the B rows of length T (no cu_seqlens; `pos` is then unused, computed in the kernel)."""
+    G, C, K = sel.shape
+    dev = sel.device
+    M = G * C * K
+    if M >= 2**30:
+        raise ValueError(f"work list of {M} entries: use smaller query chunks")
+    kspace = G * N
+    kdt = torch.int32 if kspace < 2**31 - 1 else torch.int64
+    key = torch.empty(M, dtype=kdt, device=dev)
+    nvalid = torch.empty((G, C), dtype=torch.int32, device=dev)
+    bk = _next_pow2(K)
+    br = max(1, min(64 if _interpret() else 32, 4096 // (bk * bk)))
+    has_doc = doc_start is not None
+    _wl_canon_kernel[(triton.cdiv(C, br), G)](
+        sel, sel.stride(0), sel.stride(1), sel.stride(2), doc_start if has_doc else nvalid, key, nvalid,
+        n0, C, N, max(1, T), kspace,
+        K=K, BS=block_size, HAS_DOC=has_doc, BLOCK_R=br, BLOCK_K=bk, num_warps=4,
+    )
+    skey, order = torch.sort(key, stable=True)
+    ent_q = torch.empty(M, dtype=torch.int32, device=dev)
+    inv = torch.empty(M, dtype=torch.int32, device=dev)
+    first = torch.empty(M, dtype=torch.int32, device=dev)
+    be = 1024
+    grid = (triton.cdiv(M, be),)
+    _wl_entry_kernel[grid](skey, order, ent_q, inv, first, M, n0, C, kspace, item_queries, int(M).bit_length(), K=K, BLOCK=be, num_warps=4)
+    csum = torch.cumsum(first, 0, dtype=torch.int32)
+    max_items = (M + item_queries - 1) // item_queries + min(M, nkeys_bound)
+    ks = torch.zeros((2, max_items), dtype=torch.int64, device=dev)
+    it_count = torch.zeros(max_items, dtype=torch.int32, device=dev)
+    _wl_item_kernel[grid](skey, first, csum, ks[0], ks[1], it_count, M, item_queries, int(item_queries).bit_length(), BLOCK=be, num_warps=4)
+    return _Items(ent_q, ks[0], ks[1], it_count, nvalid, inv, max_items)
+
+
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
 def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -294,15 +515,24 @@ def _needs_causal_mask(row_ok, rel, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _sa_fwd_kernel(
-    Q, K, V, OP, LP,
+    Q, K, V, OP, LP, OP_DESC,
     ENT_Q, IT_KEY, IT_START, IT_COUNT,
     N, n0, qk_scale, C_ROWS,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    QREG: tl.constexpr = False, ABL: tl.constexpr = 0,
+    QREG: tl.constexpr = False, ABL: tl.constexpr = 0, TMA_STORE: tl.constexpr = False,
+    SCALAR_DIAG: tl.constexpr = False,
 ):
+    # SCALAR_DIAG: whether a sub-tile needs the causal mask comes from its first entry's query
+    # alone (an item's entries are in ascending query order: the stable key sort keeps the
+    # (group, row, slot) order within a key), one scalar load issued at the top of the step,
+    # instead of `_needs_causal_mask`'s CTA-wide min (shared memory + 3 barriers per sub-tile).
+    # TMA_STORE: a full sub-tile's partial o rows (BLOCK_M x BLOCK_D, contiguous) go out through
+    # OP_DESC (a TMA descriptor over OP viewed [rows, D]): no read-back of the output's layout
+    # change from shared memory, one bulk copy instead of 8 vector stores per thread; the last,
+    # partial sub-tile of an item keeps the masked store (its tail rows belong to other items).
     # QREG: Q reaches the QK^T MMA from registers (wgmma's A operand) instead of a shared-memory
     # copy: no per-sub-tile generic->async proxy fence (MEMBAR.ALL.CTA, which waits for the
     # previous sub-tile's partial-output stores to drain).  ABL (GPU ablations for
@@ -341,6 +571,10 @@ def _sa_fwd_kernel(
         row_ok = m_ok & (qi < count)
         e = start + qi
         row_mask = row_ok[:, None] & d_ok[None, :]
+        if SCALAR_DIAG:
+            rel0 = (tl.load(ENT_Q + start + sub).to(tl.int64) - tok0).to(tl.int32)
+            if BS < BLOCK_N:
+                rel0 = tl.minimum(rel0, BS - 1)
         if PREFETCH:
             n = n_cur
             qb = q_cur
@@ -367,7 +601,11 @@ def _sa_fwd_kernel(
         rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
         if BS < BLOCK_N:
             rel = tl.minimum(rel, BS - 1)
-        if _needs_causal_mask(row_ok, rel, BLOCK_N):
+        if SCALAR_DIAG:
+            need_mask = rel0 < BLOCK_N - 1
+        else:
+            need_mask = _needs_causal_mask(row_ok, rel, BLOCK_N)
+        if need_mask:
             s = tl.where(offs_n[None, :] <= rel[:, None], s, float("-inf"))
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -384,7 +622,13 @@ def _sa_fwd_kernel(
             st_ok = row_ok & (count < 0)  # never true, unknown to the compiler
         if (ABL & 4) != 0:
             prow = (pid % C_ROWS).to(tl.int64) * (KS * HQ) + offs_m
-        tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :])
+        if TMA_STORE:
+            if sub + Q_TILE <= count:
+                OP_DESC.store([((start + sub) * HPG).to(tl.int32), 0], ob.to(OP.dtype.element_ty))
+            else:
+                tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :])
         tl.store(LP + prow, lse, mask=st_ok)
 
 
@@ -432,6 +676,81 @@ def _sa_slot_reduce_kernel(
             acc += x0.to(tl.float32) * w0[:, None] + x1.to(tl.float32) * w1[:, None]
         else:
             acc += x0.to(tl.float32) + x1.to(tl.float32)
+    if WEIGHTED:
+        acc = acc * (1.0 / tl.where(sw > 0.0, sw, 1.0))[:, None]
+    n = n0 + t64
+    tl.store(OUT + ((n * HQ + h) * D)[:, None] + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    if WEIGHTED:
+        lse = tl.where(sw > 0.0, mx + tl.log(tl.where(sw > 0.0, sw, 1.0)), float("-inf"))
+        b = n // T
+        tl.store(LSE + (b * HQ + h) * T + (n - b * T), lse, mask=ok)
+
+
+@triton.jit
+def _merge_pair(P, LP, INV, ibase, s, ok, nv, hh, mx, acc, sw, offs_d, d_ok,
+                D: tl.constexpr, HPG: tl.constexpr, WEIGHTED: tl.constexpr, EVICT: tl.constexpr):
+    """Slots s and s + 1 of `_sa_slot_merge_kernel` (the same operations, in the same order, as
+    one step of `_sa_slot_reduce_kernel`: the results are bit-identical)."""
+    ok0 = ok & (s < nv)
+    ok1 = ok & (s + 1 < nv)  # nv <= KS, so an odd KS never reads slot KS
+    r0 = tl.load(INV + ibase + s, mask=ok0, other=0).to(tl.int64) * HPG + hh
+    r1 = tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) * HPG + hh
+    x0 = tl.load(P + r0[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0, eviction_policy=EVICT)
+    x1 = tl.load(P + r1[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0, eviction_policy=EVICT)
+    if WEIGHTED:
+        w0 = tl.exp(tl.load(LP + r0, mask=ok0, other=float("-inf")) - mx)
+        w1 = tl.exp(tl.load(LP + r1, mask=ok1, other=float("-inf")) - mx)
+        sw += w0 + w1
+        acc += x0.to(tl.float32) * w0[:, None] + x1.to(tl.float32) * w1[:, None]
+    else:
+        acc += x0.to(tl.float32) + x1.to(tl.float32)
+    return acc, sw
+
+
+@triton.jit
+def _sa_slot_merge_kernel(
+    P, LP, NV, INV, OUT, LSE,
+    n0, C, T,
+    HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVICT: tl.constexpr,
+):
+    """`_sa_slot_reduce_kernel`'s result (bit for bit), organised for memory-level parallelism.
+
+    One program = BLOCK_T rows of the chunk x the HPG heads of one group (program_id(1)), so
+    each (row, slot)'s partial is one contiguous run of HPG * D elements (4 KB at M3's shape).
+    WEIGHTED: the rows' INV block [rows, KS] (contiguous) and their LP values are loaded as two
+    vectorised 2-D gathers up front to form the max (instead of KS pairs of dependent loads);
+    the slot loop then re-reads INV and LP from L1 (same addresses), and its partial loads depend
+    only on those.  NUM_STAGES > 1: the slot loop is software-pipelined by Triton (tl.range
+    num_stages): the next step's INV rows and partials (cp.async into shared memory) are in
+    flight while a step accumulates, so bytes in flight no longer cost registers (v1 keeps
+    2 slots x 16 KB per program in registers, and its loop waits a DRAM latency per step).
+    (A fully unrolled loop spills: LLVM hoists all 16 slots' loads.)  EVICT: eviction hint of
+    the partial loads (each is read exactly once)."""
+    offs_r = tl.arange(0, BLOCK_T * BLOCK_HP)
+    t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_HP
+    hh = offs_r % BLOCK_HP
+    g = tl.program_id(1)
+    ok = (t < C) & (hh < HPG)
+    h = g * HPG + hh
+    nv = tl.load(NV + g * C + t, mask=ok, other=0)
+    t64 = t.to(tl.int64)
+    ibase = (g.to(tl.int64) * C + t64) * KS  # (g, t, slot 0) in INV [G, C, KS]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    mx = tl.zeros([BLOCK_T * BLOCK_HP], tl.float32)
+    if WEIGHTED:
+        offs_k = tl.arange(0, BLOCK_K)
+        kmask = ok[:, None] & (offs_k[None, :] < nv[:, None])
+        e2 = tl.load(INV + ibase[:, None] + offs_k[None, :], mask=kmask, other=0).to(tl.int64)
+        l2 = tl.load(LP + e2 * HPG + hh[:, None], mask=kmask, other=float("-inf"))
+        mx = tl.max(l2, axis=1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+    sw = tl.zeros([BLOCK_T * BLOCK_HP], tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_HP, BLOCK_D], tl.float32)
+    for s in tl.range(0, KS, 2, num_stages=NUM_STAGES):
+        acc, sw = _merge_pair(P, LP, INV, ibase, s, ok, nv, hh, mx, acc, sw, offs_d, d_ok, D, HPG, WEIGHTED, EVICT)
     if WEIGHTED:
         acc = acc * (1.0 / tl.where(sw > 0.0, sw, 1.0))[:, None]
     n = n0 + t64
@@ -661,6 +980,65 @@ def _pick(cfg, table, default, interp_cfg):
     return table[cfg]
 
 
+def _pick_merge(cfg, default: str) -> MergeConfig:
+    if isinstance(cfg, MergeConfig):
+        return cfg
+    return MERGE_CONFIGS[cfg if cfg is not None else default]
+
+
+def _items(sel, n0: int, c: int, geo: _Geom, cu_seqlens, block_size: int, item_q: int, dev, worklist: str | None) -> _Items:
+    """The work list of rows n0 .. n0+c-1 (builder: worklist, default WORKLIST)."""
+    how = worklist or WORKLIST
+    rows = sel[:, n0 : n0 + c]
+    if how == "triton":
+        if cu_seqlens is None:
+            return _build_items_tl(rows, None, None, n0, geo.N, block_size, item_q, geo.nkeys_bound, geo.T)
+        doc_start, pos = _row_docs(n0, c, geo.T, cu_seqlens, dev)
+        return _build_items_tl(rows, doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
+    if how != "torch":
+        raise ValueError(f"worklist must be 'torch' or 'triton', got {how!r}")
+    doc_start, pos = _row_docs(n0, c, geo.T, cu_seqlens, dev)
+    return _build_items(rows, doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
+
+
+def _merge(mc: MergeConfig, P, LP, it: _Items, OUT, LSE, n0: int, c: int, geo: _Geom, weighted: bool) -> None:
+    """OUT (and LSE if weighted) of rows n0 .. n0+c-1 from the chunk's partials (see the kernels)."""
+    if mc.version == 1:
+        rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
+        _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
+            P, LP, it.nvalid, it.inv, OUT, LSE,
+            n0, c, geo.T,
+            HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=weighted,
+            BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
+        )
+        return
+    bhp = _next_pow2(geo.hpg)
+    bt = max(1, mc.block_t * 16 // bhp)  # ~block_t x 16 (row, head) pairs
+    _sa_slot_merge_kernel[(triton.cdiv(c, bt), geo.G)](
+        P, LP, it.nvalid, it.inv, OUT, LSE,
+        n0, c, geo.T,
+        HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=weighted,
+        BLOCK_T=bt, BLOCK_HP=bhp, BLOCK_D=max(16, _next_pow2(geo.D)), BLOCK_K=_next_pow2(geo.KS),
+        NUM_STAGES=mc.num_stages, EVICT=mc.evict, num_warps=mc.num_warps, num_stages=mc.num_stages,
+    )
+
+
+def _fwd_main(qf, kf, vf, OP, LP, op_desc, it: _Items, geo: _Geom, n0: int, c: int, cfg: KernelConfig,
+              qk_scale: float, tma: bool, ablate: int = 0) -> None:
+    """The forward's main kernel over one chunk's work list: partials into OP / LP."""
+    q_tile, bm, bn, bd, _ = _tile(cfg, geo)
+    prec, upcast = _prec(qf.dtype)
+    _sa_fwd_kernel[(it.max_items,)](
+        qf, kf, vf, OP, LP, op_desc,
+        it.ent_q, it.it_key, it.it_start, it.it_count,
+        geo.N, n0, qk_scale, c,
+        HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=q_tile,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
+        QREG=cfg.qreg, ABL=ablate & 7, TMA_STORE=tma, SCALAR_DIAG=cfg.scalar_diag,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def sparse_attention_fwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -676,6 +1054,9 @@ def sparse_attention_fwd_triton(
     chunk_rows: int | None = None,
     poison: bool = False,
     ablate: int = 0,
+    merge: MergeConfig | str | None = None,
+    worklist: str | None = None,
+    overlap: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o [B, T, Hq, D] (q.dtype), lse [B, Hq, T] fp32.  Inputs are assumed checked by the caller.
 
@@ -684,6 +1065,10 @@ def sparse_attention_fwd_triton(
     poison: fill the internal partial buffers with NaN (tests that unwritten slots are masked).
     ablate: GPU profiling only (results are WRONG when != 0): bits 1, 2, 4 = the main kernel's
     ABL (no partial stores / fixed Q rows / fixed store rows), 8 = NO_MERGE (skip the merge).
+    merge: a MergeConfig or a key of MERGE_CONFIGS (default MERGE_DEFAULT); worklist: "torch"
+    or "triton" (default WORKLIST); overlap (default OVERLAP): two partial buffers of half the
+    budget, each chunk's merge on a side stream (CUDA; on the CPU only the buffers alternate).
+    Every choice gives the same o and lse, bit for bit (overlap: given the same chunk_rows).
     """
     geo = _geom(q, k, block_idx, block_size, cu_seqlens)
     cfg = _pick(config, FWD_CONFIGS, FWD_DEFAULT, INTERPRET_FWD)
@@ -693,37 +1078,56 @@ def sparse_attention_fwd_triton(
     lse = lse_out if lse_out is not None else torch.empty((geo.B, geo.Hq, geo.T), dtype=torch.float32, device=q.device)
     assert o.is_contiguous() and lse.is_contiguous()
     pdt = q.dtype
-    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, cfg.chunk_bytes or CHUNK_BYTES)
+    ovl = OVERLAP if overlap is None else bool(overlap)
+    nbuf = 2 if ovl else 1
+    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, (cfg.chunk_bytes or CHUNK_BYTES) // nbuf)
+    nbuf = min(nbuf, triton.cdiv(geo.N, C))
     fill = float("nan") if poison else None
     shape_p = (C, geo.KS, geo.Hq, geo.D)
-    OP = torch.full(shape_p, fill, dtype=pdt, device=q.device) if poison else torch.empty(shape_p, dtype=pdt, device=q.device)
-    LP = torch.full(shape_p[:3], fill, dtype=torch.float32, device=q.device) if poison else torch.empty(shape_p[:3], dtype=torch.float32, device=q.device)
+    # TMA store of the partial o rows: only where a sub-tile is exactly BLOCK_M x BLOCK_D rows
+    tma = cfg.tma_store and bm == q_tile * geo.hpg and bd == geo.D and (ablate & 7) == 0
+    bufs = []
+    for _ in range(nbuf):
+        OP = torch.full(shape_p, fill, dtype=pdt, device=q.device) if poison else torch.empty(shape_p, dtype=pdt, device=q.device)
+        LP = torch.full(shape_p[:3], fill, dtype=torch.float32, device=q.device) if poison else torch.empty(shape_p[:3], dtype=torch.float32, device=q.device)
+        op_desc = None
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            op_desc = TensorDescriptor.from_tensor(OP.view(-1, geo.D), [bm, bd])
+        bufs.append((OP, LP, op_desc))
     sel = _selection_rows(block_idx, geo)
-    prec, upcast = _prec(q.dtype)
-    rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
+    mc = _pick_merge(merge, MERGE_DEFAULT)
     qk_scale = float(scale) * 1.4426950408889634
+    side = _side_stream(q.device) if (nbuf > 1 and q.is_cuda) else None
+    main = torch.cuda.current_stream(q.device) if side is not None else None
+    done = [None] * nbuf  # side-stream event: buffer b's last merge has finished
+    keep = [None] * nbuf  # work list read by buffer b's merge in flight (allocated on main)
     with _DeviceGuard(q):
-        for n0 in range(0, geo.N, C):
+        for ci, n0 in enumerate(range(0, geo.N, C)):
             c = min(C, geo.N - n0)
-            doc_start, pos = _row_docs(n0, c, geo.T, cu_seqlens, q.device)
-            it = _build_items(sel[:, n0 : n0 + c], doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
-            _sa_fwd_kernel[(it.max_items,)](
-                qf, kf, vf, OP, LP,
-                it.ent_q, it.it_key, it.it_start, it.it_count,
-                geo.N, n0, qk_scale, c,
-                HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
-                QREG=cfg.qreg, ABL=ablate & 7,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
+            b = ci % nbuf
+            OP, LP, op_desc = bufs[b]
+            if done[b] is not None:
+                main.wait_event(done[b])  # the merge that read buffer b (chunk ci - 2) is over
+            keep[b] = None
+            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, q.device, worklist)
+            _fwd_main(qf, kf, vf, OP, LP, op_desc, it, geo, n0, c, cfg, qk_scale, tma, ablate)
             if ablate & 8:
                 continue
-            _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
-                OP, LP, it.nvalid, it.inv, o, lse,
-                n0, c, geo.T,
-                HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=True,
-                BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
-            )
+            if side is None:
+                _merge(mc, OP, LP, it, o, lse, n0, c, geo, True)
+                continue
+            ev = torch.cuda.Event()
+            ev.record(main)
+            side.wait_event(ev)
+            with torch.cuda.stream(side):
+                _merge(mc, OP, LP, it, o, lse, n0, c, geo, True)
+            done[b] = torch.cuda.Event()
+            done[b].record(side)
+            keep[b] = it
+        if side is not None:
+            main.wait_stream(side)
     return o, lse
 
 
@@ -747,11 +1151,15 @@ def sparse_attention_bwd_triton(
     chunk_rows: int | None = None,
     poison: bool = False,
     ablate: int = 0,
+    reduce: MergeConfig | str | None = None,
+    worklist: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `sparse_attention_fwd_triton`'s outputs given do (and dlse, or None).
 
     ablate: GPU profiling only (results are WRONG when != 0): bits 1, 2, 4 = the main kernel's
     ABL (no dQ partial stores / fixed Q rows / no dK, dV atomics), 8 = skip the dQ reduce.
+    reduce: the dq reduce's MergeConfig or MERGE_CONFIGS key (default REDUCE_DEFAULT);
+    worklist: as in the forward.
     """
     geo = _geom(q, k, block_idx, block_size, cu_seqlens)
     cfg = _pick(config, BWD_CONFIGS, BWD_DEFAULT, INTERPRET_BWD)
@@ -774,6 +1182,7 @@ def sparse_attention_bwd_triton(
     prec, upcast = _prec(q.dtype)
     rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
     dlse_f = dlse.contiguous().float() if dlse is not None else lse2  # dummy pointer when absent
+    rmc = _pick_merge(reduce, REDUCE_DEFAULT)
     with _DeviceGuard(q):
         _sa_bwd_pre_kernel[(triton.cdiv(geo.N, rbt), triton.cdiv(geo.Hq, rbh))](
             of, dof, lsef, dlse_f, lse2, delta,
@@ -783,8 +1192,7 @@ def sparse_attention_bwd_triton(
         )
         for n0 in range(0, geo.N, C):
             c = min(C, geo.N - n0)
-            doc_start, pos = _row_docs(n0, c, geo.T, cu_seqlens, dev)
-            it = _build_items(sel[:, n0 : n0 + c], doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
+            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, dev, worklist)
             _sa_bwd_kernel[(it.max_items,)](
                 qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
                 it.ent_q, it.it_key, it.it_start, it.it_count,
@@ -796,12 +1204,7 @@ def sparse_attention_bwd_triton(
             )
             if ablate & 8:
                 continue
-            _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
-                DQP, DQP, it.nvalid, it.inv, dq, dq,
-                n0, c, geo.T,
-                HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=False,
-                BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
-            )
+            _merge(rmc, DQP, DQP, it, dq, dq, n0, c, geo, False)
     dk = dka.view(k.shape).to(k.dtype)
     dv = dva.view(v.shape).to(v.dtype)
     if dk_out is not None:
