@@ -44,6 +44,7 @@ def queries(B, nq, hq=HQ, g=G, d=D, di=DI, dtype=torch.float32, seed=1, qscale=1
 
 
 def run(cache, sids, q, qi, topk, *, local_blocks=1, init_blocks=0, **plan_kw):
+    plan_kw.setdefault("score_impl", "v2")  # this file tests v2 (the default for fp8 index keys only)
     meta = cache.decode_metadata(sids)
     sel = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
     plan = plan_decode(cache.layer(0), batch=len(sids), nq=q.shape[1], num_heads=q.shape[2], width=meta.width,
@@ -97,7 +98,7 @@ def test_v2_chunked_final_topk_is_exercised():
     cache, sids = build([600, 310], seed=4)
     meta = cache.decode_metadata(sids)
     plan = plan_decode(cache.layer(0), batch=2, nq=2, num_heads=HQ, width=meta.width, topk=4, score_splits=2,
-                       end_chunk=8)
+                       end_chunk=8, score_impl="v2")
     assert plan.pch == 8 and -(-meta.width // plan.score_splits) > 2 * plan.pch
 
 
@@ -112,7 +113,7 @@ def test_v1_still_selectable():
                dict(fuse_combine=False, attn_splits=5)):
         (o, lse, bi), plan = run(cache, sids, q, qi, topk, **kw)
         assert plan.score_impl == kw.get("score_impl", "v2") and (plan.bmax is None) == (plan.score_impl == "v1")
-        assert plan.fuse_combine == kw.get("fuse_combine", True)
+        assert plan.fuse_combine == kw.get("fuse_combine", plan.score_impl == "v2")  # default: fused for v2 only
         assert torch.equal(bi.cpu(), rbi.cpu())
         torch.testing.assert_close(o, ro, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse, rlse, atol=2e-5, rtol=2e-5)
@@ -205,3 +206,16 @@ def test_ab_dry_run(monkeypatch):
     assert [r["variant"] for r in rows] == ["old", "new"]
     assert all(r["ok"] for r in rows), rows
     assert rows[1]["sel_agree_vs_old"] == 1.0 and rows[1]["sel_agree_vs_ref"] == 1.0
+
+
+def test_default_score_impl_follows_the_index_key_dtype():
+    """score_impl=None: v1 (8 warps, combine kernel) for bf16 / fp32 index keys, v2 with the fused
+    combine for fp8 ones (the H200 measurements of run 11)."""
+    for idx, want in ((torch.float32, "v1"), (torch.bfloat16, "v1"), (torch.float8_e4m3fn, "v2")):
+        cache, sids = build([300, 40], kv=torch.bfloat16 if idx != torch.float32 else torch.float32, idx=idx)
+        meta = cache.decode_metadata(sids)
+        plan = plan_decode(cache.layer(0), batch=2, nq=1, num_heads=HQ, width=meta.width)
+        assert plan.score_impl == want
+        assert plan.fuse_combine == (want == "v2")
+        if want == "v1":
+            assert plan.score_warps == 8

@@ -365,16 +365,16 @@ def check_and_bench(quick: bool = False, tune_first: bool = True) -> dict:
 OLD_KW = dict(score_impl="v1", fuse_combine=False, score_programs_per_sm=2, score_stages=5, score_warps=8)
 AB_VARIANTS = {
     "old": OLD_KW,
-    "new": {},
-    "new+pdl": dict(pdl=True),
+    "new": dict(score_impl="v2", fuse_combine=True),
+    "new+pdl": dict(score_impl="v2", fuse_combine=True, pdl=True),
 }
 # one knob of the new default each (ab(variants=AB_EXTRA) or names from both dicts)
 AB_EXTRA = {
-    "new cp.async": dict(score_load="cp"),
-    "new unfused": dict(fuse_combine=False),
-    "new 8 warps": dict(score_warps=8),
-    "new 3/SM": dict(score_programs_per_sm=3),
-    "new 1/SM": dict(score_programs_per_sm=1, score_stages=7),
+    "new cp.async": dict(score_impl="v2", score_load="cp"),
+    "new unfused": dict(score_impl="v2", fuse_combine=False),
+    "new 8 warps": dict(score_impl="v2", score_warps=8),
+    "new 3/SM": dict(score_impl="v2", score_programs_per_sm=3),
+    "new 1/SM": dict(score_impl="v2", score_programs_per_sm=1, score_stages=7),
 }
 
 

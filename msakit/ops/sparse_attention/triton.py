@@ -196,7 +196,8 @@ BWD_CONFIGS = {
 }
 # run 3 sweep: m64w4p 85.1 ms vs 91.8 (pq) at 128K; m64w4pd = m64w4p with scalar_diag (same
 # results bit for bit, 3 fewer barriers per sub-tile; not yet measured: m64w4p to go back)
-FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4pd")
+# run 11 (H200, 128K, forward without index_topk): m64w4p128 36.5 ms, m64w4pd 37.9, m64w4p 37.1
+FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4p128")
 BWD_DEFAULT = os.environ.get("MSAKIT_SA_BWD_CONFIG", "m32w8p512")  # run 3: 124.2 ms vs 125.1
 # Slot merge (forward) and dq reduce (backward).  "v1" is the measured baseline (10.2 ms of
 # merge at 128K): 64 (row, head) pairs per program whose max pass walks the KS slots with two
@@ -213,11 +214,13 @@ MERGE_CONFIGS = {
     "v2s2t4w4": MergeConfig(2, 4, 4, 2),  # 168 regs, 34 KB, 3 CTAs, ~96 KB
     "v2s3t1n": MergeConfig(2, 1, 4, 3, ""),  # v2s3t1 without the eviction hint
 }
-MERGE_DEFAULT = os.environ.get("MSAKIT_SA_MERGE_CONFIG", "v2s3t1")  # not yet measured: v1 to go back
-REDUCE_DEFAULT = os.environ.get("MSAKIT_SA_REDUCE_CONFIG", "v1")  # the backward's dq reduce
+# run 11, one 128K chunk: merge v1 1.57 ms, v2 1.67, v2s3t1 3.53 (the per-program 4 KB gathers
+# of the v2 family lose to v1's wider rows); the backward's dq reduce: v2s3t1 1.33 ms, v1 1.44
+MERGE_DEFAULT = os.environ.get("MSAKIT_SA_MERGE_CONFIG", "v1")
+REDUCE_DEFAULT = os.environ.get("MSAKIT_SA_REDUCE_CONFIG", "v2s3t1")  # the backward's dq reduce
 # Work list builder: "torch" (`_build_items`, the measured baseline: ~45 torch ops per chunk,
 # ~3 ms of 55 at 128K) or "triton" (`_build_items_tl`: 3 kernels + torch's sort and cumsum).
-WORKLIST = os.environ.get("MSAKIT_SA_WORKLIST", "triton")
+WORKLIST = os.environ.get("MSAKIT_SA_WORKLIST", "triton")  # run 11: 0.36 ms per 128K chunk vs torch 0.97
 # Forward only: two half-size partial buffers, chunk i's merge on a high-priority side stream
 # while chunk i+1's work list and main kernel run (same peak memory, twice the chunks).  The
 # merge is memory-bound and the main kernel latency-bound, so the merge's CTAs can take SM slots
