@@ -35,6 +35,20 @@ def env_info() -> dict:
     return info
 
 
+def wall_s(fn, reps: int = 3) -> float:
+    """Median host wall-clock seconds of fn() between two device syncs (whole generate loops,
+    training steps: host work included, unlike bench_ms's events)."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
 def bench_ms(fn, *, warmup: int = 2, rep: int = 10, max_s: float = 20.0) -> float:
     """Median milliseconds of fn() with CUDA events; fewer repetitions when one call is slow."""
     torch.cuda.synchronize()

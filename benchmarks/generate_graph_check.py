@@ -17,27 +17,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import env_info, save_json  # noqa: E402
+from benchmarks.common import env_info, save_json, wall_s  # noqa: E402
 from msakit.models import M3Config, M3ForCausalLM  # noqa: E402
-
-
-def wall(fn, reps: int = 3) -> float:
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 @torch.no_grad()
@@ -65,9 +52,9 @@ def check(contexts=(1024, 32768), new: int = 64, batch: int = 1, mode: str = "sp
                 gen(4)  # warm-up: Triton compiles, allocator
                 toks[graph], logits = G.generate(model, ids, new, temperature=0.0, cache="paged", cuda_graph=graph,
                                                  return_logits=True)
-                t1 = wall(lambda: gen(1), reps)
-                tn = wall(lambda: gen(new), reps)
-                t2n = wall(lambda: gen(2 * new), reps)
+                t1 = wall_s(lambda: gen(1), reps)
+                tn = wall_s(lambda: gen(new), reps)
+                t2n = wall_s(lambda: gen(2 * new), reps)
             fell_back = [str(w.message) for w in caught if "CUDA-graph decode disabled" in str(w.message)]
             key = "graph" if graph else "eager"
             row[key] = {"prefill_ms": t1 * 1e3, "per_token_ms": (tn - t1) / max(1, new - 1) * 1e3,

@@ -18,30 +18,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import wall_s  # noqa: E402
 from msakit.models import M3Config, M3ForCausalLM  # noqa: E402
 
 
 def log(*a) -> None:
     print(*a, flush=True)
-
-
-def wall(fn, reps: int = 3) -> float:
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def prof_table(fn, title: str, fh, rows: int = 25) -> dict:
@@ -88,8 +76,8 @@ def decode(out: Path, ctx: int, new: int, only: str = "") -> dict:
             continue
         try:
             fn(4)
-            t_pre = wall(lambda: fn(1))
-            t_all = wall(lambda: fn(new))
+            t_pre = wall_s(lambda: fn(1))
+            t_all = wall_s(lambda: fn(new))
             per = (t_all - t_pre) / max(1, new - 1)
             p = prof_table(lambda: fn(new), f"{name} ({new} tokens after a {ctx}-token prompt)", fh)
             res[name] = {"ms_per_token": per * 1e3, "prefill_ms": t_pre * 1e3, **p}
@@ -103,6 +91,7 @@ def decode(out: Path, ctx: int, new: int, only: str = "") -> dict:
 
 
 def qat(out: Path, batch: int, ctx: int) -> dict:
+    from benchmarks.qat import make_opt, train_step
     from msakit.quant import capture_weight_refresh, prepare_qat, quantization_plan
 
     torch.manual_seed(0)
@@ -119,20 +108,14 @@ def qat(out: Path, batch: int, ctx: int) -> dict:
             prepare_qat(model, quantization_plan(model))
             capture_weight_refresh(model, torch.bfloat16)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        opt = make_opt(model, 1e-4, ids.device)
 
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                o = model(ids, labels=ids, compute_kl=False)
-            o.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            model.update_routing_bias(o.expert_load, rate=1e-3)
+        def step(model=model, opt=opt, params=params):
+            train_step(model, opt, params, ids, ids, ids.device)
 
         for _ in range(3):
             step()
-        t = wall(step, reps=7)
+        t = wall_s(step, reps=7)
         p = prof_table(step, f"{name} training step (batch {batch} x {ctx})", fh)
         res[name] = {"step_ms": t * 1e3, **p}
         log(f"{name:5s} step {t * 1e3:7.2f} ms  profiled: CPU {p['cpu_ms']:.0f} ms GPU {p['gpu_ms']:.0f} ms "

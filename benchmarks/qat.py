@@ -175,6 +175,19 @@ class Schedule:
         return self.peak * (self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def train_step(model, opt, params, ids, labels, device) -> torch.Tensor:
+    """One optimizer step on one micro-batch (autocast forward, backward, clip 1.0, AdamW, the
+    routing-bias update); returns the detached loss."""
+    with autocast(device):
+        out = model(ids, labels=labels, compute_kl=False)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.update_routing_bias(out.expert_load, rate=1e-3)
+    return out.loss.detach()
+
+
 def train(model, opt, batches, device, sched: Schedule, *, label: str, deadline: float | None = None,
           probe: int = 0, steps: int | None = None, time_steps: bool = False) -> dict:
     """Optimizer steps (one micro-batch each) until sched.total (or `steps`).  With a deadline,
@@ -195,14 +208,7 @@ def train(model, opt, batches, device, sched: Schedule, *, label: str, deadline:
             t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = sched(step)
-        with autocast(device):
-            out = model(ids, labels=labels, compute_kl=False)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_routing_bias(out.expert_load, rate=1e-3)
-        losses.append(out.loss.detach())
+        losses.append(train_step(model, opt, params, ids, labels, device))
         if time_steps:
             sync(device)
             times.append(time.perf_counter() - t0)
@@ -250,13 +256,7 @@ def interleaved_step_ms(models: dict, batches, device, reps: int = 30) -> dict:
             params = [p_ for p_ in m.parameters() if p_.requires_grad]
             sync(device)
             t0 = time.perf_counter()
-            with autocast(device):
-                out = m(ids, labels=labels, compute_kl=False)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            m.update_routing_bias(out.expert_load, rate=1e-3)
+            train_step(m, opt, params, ids, labels, device)
             sync(device)
             if r >= 3:  # warm-up
                 times[n].append(time.perf_counter() - t0)

@@ -48,7 +48,6 @@ import bisect
 import builtins
 import json
 import keyword
-import math
 import os
 import re
 import sys
@@ -56,7 +55,7 @@ import time
 import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 

@@ -44,11 +44,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from msakit.spec.drafter import DSparkDrafter
+from msakit.spec.drafter import DraftProposal, DSparkDrafter
 from msakit.spec.verify import check_sampling, confidence_budget as schedule_budget, sample_probs, sampling_probs, verify
 
 __all__ = ["speculative_generate", "autoregressive_generate", "SpecStats", "SpecCache", "target_forward",
-           "draft_context_update", "draft_hidden"]
+           "draft_context_update", "draft_hidden", "target_step"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,13 +161,23 @@ def target_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run tokens [B, Tq] at positions cache.lengths[b] + i, writing their keys into `cache`
     (lengths unchanged: the caller decides how many stay).  Returns the logits [B, Tq, V] and
-    the concatenated residual stream after the `taps` layers [B, Tq, len(taps) * H] (or None)."""
+    the concatenated residual stream after the `taps` layers [B, Tq, len(taps) * H] (or None).
+    Attention covers the first max(host lengths) + Tq positions (`target_step` covers all)."""
     B, Tq = tokens.shape
     _positions_check(cache, Tq)
+    out = _target_forward(target, cache, tokens, cache.lengths, max(cache.host_lengths) + Tq, taps)
+    cache.written = [h_ + Tq for h_ in cache.host_lengths]
+    return out
+
+
+def _target_forward(target, cache: SpecCache, tokens: torch.Tensor, lengths: torch.Tensor, Lk: int,
+                    taps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`target_forward` with the lengths [B] given as a device tensor and Lk keys attended (masked
+    by position); reads no host length and updates no host state."""
+    B, Tq = tokens.shape
     dev = tokens.device
-    pos = cache.lengths.view(B, 1) + torch.arange(Tq, device=dev).view(1, Tq)
+    pos = lengths.view(B, 1) + torch.arange(Tq, device=dev).view(1, Tq)
     rows = torch.arange(B, device=dev).view(B, 1).expand(B, Tq)
-    Lk = max(cache.host_lengths) + Tq
     causal = torch.arange(Lk, device=dev).view(1, 1, Lk) <= pos.unsqueeze(-1)  # [B, Tq, Lk]
     dense_mask = causal.unsqueeze(1)
     h = target.model.embed_tokens(tokens)
@@ -192,19 +202,36 @@ def target_forward(
         h = _ffn(layer, h)
         if li in want:
             got[li] = h
-    cache.written = [h_ + Tq for h_ in cache.host_lengths]
     logits = target.lm_head(target.model.norm(h))
     tap = torch.cat([got[t] for t in taps], dim=-1) if taps else None
     return logits, tap
 
 
 @torch.no_grad()
+def target_step(target, cache: SpecCache, tokens: torch.Tensor, lengths: torch.Tensor, taps: Sequence[int] = (),
+                drafter: DSparkDrafter | None = None) -> torch.Tensor:
+    """The fixed-shape target forward of a round (what the CUDA graph captures): tokens [B, w]
+    at positions lengths[b] + i (lengths int64 [B] on the device), attention over all
+    cache.max_len positions (masked by position), keys written into `cache`; with a drafter,
+    the tap states are projected into its context cache at the same positions
+    (`draft_context_update`).  No host length is read, no host state updated -> logits [B, w, V]."""
+    logits, tap = _target_forward(target, cache, tokens, lengths, cache.max_len, taps)
+    if drafter is not None:
+        _draft_context_write(drafter, cache, tap, lengths)
+    return logits
+
+
+@torch.no_grad()
 def draft_context_update(drafter: DSparkDrafter, cache: SpecCache, taps: torch.Tensor) -> None:
     """Project the tap states of positions cache.lengths[b] + i (taps [B, T, n * H]) into every
     draft layer's context keys / values."""
+    _draft_context_write(drafter, cache, taps, cache.lengths)
+
+
+def _draft_context_write(drafter: DSparkDrafter, cache: SpecCache, taps: torch.Tensor, lengths: torch.Tensor) -> None:
     B, T, _ = taps.shape
     dev = taps.device
-    pos = cache.lengths.view(B, 1) + torch.arange(T, device=dev).view(1, T)
+    pos = lengths.view(B, 1) + torch.arange(T, device=dev).view(1, T)
     rows = torch.arange(B, device=dev).view(B, 1).expand(B, T)
     ctx = drafter.context(taps)
     for li, (k, v) in enumerate(drafter.context_kv(ctx, pos)):
@@ -212,14 +239,23 @@ def draft_context_update(drafter: DSparkDrafter, cache: SpecCache, taps: torch.T
 
 
 @torch.no_grad()
-def draft_hidden(drafter: DSparkDrafter, cache: SpecCache, anchor: torch.Tensor) -> torch.Tensor:
+def draft_hidden(drafter: DSparkDrafter, cache: SpecCache, anchor: torch.Tensor,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The block [anchor, mask...] at positions cache.lengths[b] + j over the cached context
-    (keys L - W < j < L) -> final-normed hidden states [B, gamma, H]."""
+    (keys L - W < j < L) -> final-normed hidden states [B, gamma, H].  With `lengths` (int64 [B]
+    on the device, in place of cache.lengths) the context covers all cache.max_len positions
+    (fixed shapes, no host length read: the static / CUDA-graph round)."""
+    if lengths is None:
+        return _draft_hidden(drafter, cache, anchor, cache.lengths, max(1, max(cache.host_lengths)))
+    return _draft_hidden(drafter, cache, anchor, lengths, cache.max_len)
+
+
+def _draft_hidden(drafter: DSparkDrafter, cache: SpecCache, anchor: torch.Tensor, lengths: torch.Tensor,
+                  Lc: int) -> torch.Tensor:
     g = drafter.config.block_size
     B = anchor.shape[0]
     dev = anchor.device
-    Lc = max(1, max(cache.host_lengths))
-    L = cache.lengths.view(B, 1)
+    L = lengths.view(B, 1)
     j = torch.arange(Lc, device=dev).view(1, Lc)
     ctx_ok = (j < L) & (j > L - drafter.config.sliding_window)  # [B, Lc]
     mask = torch.cat([ctx_ok.unsqueeze(1).expand(B, g, Lc), torch.ones(B, g, g, dtype=torch.bool, device=dev)], dim=-1)
@@ -231,6 +267,116 @@ def draft_hidden(drafter: DSparkDrafter, cache: SpecCache, anchor: torch.Tensor)
 # ---------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------
+
+
+class _Graphed:
+    """Runs fixed-shape functions of static device buffers either eagerly or, on CUDA with
+    `use_graph`, through one CUDA graph per key (captured at the first call: a warm-up on a side
+    stream under torch.cuda.set_sync_debug_mode("error"), capture, replay; later calls replay).
+    Any failure turns graphs off for the rest of the run (a one-time warning) and the call runs
+    eagerly.  Returns the function's output tensors (clones of the graph's on replay)."""
+
+    def __init__(self, use_graph: bool) -> None:
+        self.use_graph = use_graph
+        self.disabled_reason: str | None = None
+        self.graphs: dict[Any, tuple[Any, tuple[torch.Tensor, ...]]] = {}
+
+    def _disable(self, reason: str) -> None:
+        from msakit.generate import _graph_warn
+
+        self.disabled_reason = reason
+        _graph_warn(f"(speculative_generate) {reason}")
+
+    def __call__(self, key: Any, fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        if not self.use_graph or self.disabled_reason is not None:
+            return fn()
+        hit = self.graphs.get(key)
+        if hit is not None:
+            graph, outs = hit
+            graph.replay()
+            return tuple(o.clone() for o in outs)
+        return self._capture(key, fn)
+
+    def _capture(self, key: Any, fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        from msakit.generate import _where
+        from msakit.nn.moe import _GMM_FAILED
+
+        cur = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(cur)
+        prev = torch.cuda.get_sync_debug_mode()
+        gmm_failed = set(_GMM_FAILED)  # a sync error inside torch._grouped_mm must not mark it failed for good
+        try:
+            with torch.cuda.stream(side):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = fn()
+                finally:
+                    torch.cuda.set_sync_debug_mode(prev)
+                    _GMM_FAILED.intersection_update(gmm_failed)
+        except Exception as e:  # noqa: BLE001 - any failure: eager rounds
+            cur.wait_stream(side)
+            self._disable(f"the warm-up of {key!r} failed{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})")
+            return fn()
+        cur.wait_stream(side)
+        for o in out:
+            o.record_stream(cur)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            try:
+                with torch.cuda.graph(graph, stream=side):
+                    outs = fn()
+            finally:
+                _GMM_FAILED.intersection_update(gmm_failed)
+        except Exception as e:  # noqa: BLE001
+            self._disable(f"capturing {key!r} failed{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})")
+            return out
+        self.graphs[key] = (graph, outs)
+        graph.replay()
+        return tuple(o.clone() for o in outs)
+
+
+class _StaticRounds:
+    """The static buffers of the speculative rounds of one run (batch B, block g): `lengths`
+    int64 [B] (the cache lengths at the round's start) and `tokens` int64 [B, g + 1] ([anchor,
+    drafts]); the drafter block and the target verify forward read only these and the
+    preallocated `SpecCache` buffers (`draft_hidden(..., lengths)`, `target_step`), so their
+    shapes and addresses never change and they can be CUDA graphs (one drafter graph, one target
+    graph per verify width)."""
+
+    def __init__(self, target, drafter: DSparkDrafter, cache: SpecCache, taps: Sequence[int], g: int,
+                 use_graph: bool, propose_kw: dict[str, Any] | None) -> None:
+        B = cache.batch
+        self.target, self.drafter, self.cache, self.taps, self.g = target, drafter, cache, tuple(taps), g
+        self.lengths = torch.zeros(B, dtype=torch.long, device=cache.device)
+        self.tokens = torch.zeros(B, g + 1, dtype=torch.long, device=cache.device)
+        self.propose_kw = propose_kw  # greedy: propose (no generator) runs inside the drafter graph
+        self.run = _Graphed(use_graph)
+
+    def draft(self, anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> (h,) or, greedy, (draft tokens [B, g], confidence [B, g] or nothing)."""
+        self.lengths.copy_(self.cache.lengths)
+        self.tokens[:, 0].copy_(anchor)
+        return self.run("drafter", self._draft)
+
+    def _draft(self) -> tuple[torch.Tensor, ...]:
+        anchor = self.tokens[:, 0]
+        h = draft_hidden(self.drafter, self.cache, anchor, self.lengths)
+        if self.propose_kw is None:
+            return (h,)
+        prop = self.drafter.propose(h, anchor, **self.propose_kw)
+        return (prop.tokens,) if prop.confidence is None else (prop.tokens, prop.confidence)
+
+    def verify_forward(self, drafts: torch.Tensor) -> torch.Tensor:
+        """drafts [B, w - 1] after the staged anchor -> target logits [B, w, V] (keys and draft
+        context written at lengths + i)."""
+        w = drafts.shape[1] + 1
+        _positions_check(self.cache, w)
+        self.tokens[:, 1:w].copy_(drafts)
+        (logits,) = self.run(("target", w), lambda: (target_step(self.target, self.cache, self.tokens[:, :w],
+                                                                 self.lengths, self.taps, self.drafter),))
+        self.cache.written = [h_ + w for h_ in self.cache.host_lengths]
+        return logits
 
 
 def _check_target(target) -> None:
@@ -300,6 +446,7 @@ def speculative_generate(
     eos_token_id: int | Sequence[int] | None = None,
     streamer: Callable[[list[list[int]]], Any] | None = None,
     return_stats: bool = False,
+    cuda_graph: bool | None = None,
 ):
     """Sample `max_new_tokens` after prompt [B, T] with DSpark speculative decoding -> tokens
     [B, T + n] (and a `SpecStats` with return_stats).
@@ -314,8 +461,13 @@ def speculative_generate(
     1.5x verifying none).
     eos_token_id: rows stop after an eos (finished rows are padded with the first eos id; the
     result is as long as the longest row).  streamer(new_tokens_per_row) is called each round.
+    cuda_graph: None (on CUDA: on), True or False (eager); on CPU the rounds always run eagerly.
+    Either way the rounds run the same fixed-shape code (`_StaticRounds`), so the output does not
+    depend on it.
     """
     check_sampling(temperature, top_k, top_p)
+    if cuda_graph not in (None, True, False):
+        raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must have shape [B, T] with T >= 1, got {tuple(prompt.shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -380,11 +532,18 @@ def speculative_generate(
         active_h = [not d for d in done]
         active = torch.tensor(active_h, dtype=torch.bool, device=dev)
         cost = budget_cost if budget_cost is not None else (1.0, 0.5 / (B * (g + 1)))
+        propose_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g,
+                          want_confidence=confidence_budget)
+        rounds = _StaticRounds(target, drafter, cache, taps, g, dev.type == "cuda" and cuda_graph is not False,
+                               propose_kw if greedy else None)
 
         while not all(done):
-            h = draft_hidden(drafter, cache, anchor)
-            prop = drafter.propose(h, anchor, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   generator=draft_gen, num_drafts=g, want_confidence=confidence_budget)
+            drafted = rounds.draft(anchor)
+            if greedy:  # the drafter graph drew the drafts (argmaxes)
+                prop = DraftProposal(tokens=drafted[0], probs=None,
+                                     confidence=drafted[1] if len(drafted) > 1 else None)
+            else:  # sampling (the draft generator) stays outside the graph
+                prop = drafter.propose(drafted[0], anchor, generator=draft_gen, **propose_kw)
             lengths = None
             w = g
             if confidence_budget:
@@ -393,10 +552,9 @@ def speculative_generate(
                 w = int(lengths.max())  # host sync: the verify width
             d_tok = prop.tokens[:, :w]
             d_prob = None if greedy else prop.probs[:, :w]
-            vt = torch.cat([anchor.view(B, 1), d_tok], dim=1)  # [B, w + 1]
-            logits, tap = target_forward(target, cache, vt, taps)
+            # [anchor, drafts] at positions L .. L + w; also writes the drafter's context
+            logits = rounds.verify_forward(d_tok)
             n, toks = verify(d_tok, d_prob, process(logits), generator=accept_gen, greedy=greedy, lengths=lengths)
-            draft_context_update(drafter, cache, tap)
             # one host sync per round: accepted counts and tokens
             n_h, toks_h = n.tolist(), toks.tolist()
             lens_h = lengths.tolist() if lengths is not None else None
@@ -459,10 +617,15 @@ def autoregressive_generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    cuda_graph: bool | None = None,
 ) -> torch.Tensor:
     """Plain decoding (one token per target forward) through the same cache and attention code
-    as `speculative_generate`: the same-engine baseline its speed is compared with."""
+    as `speculative_generate`: the same-engine baseline its speed is compared with.  The
+    per-token forward is `target_step` (fixed shapes), a CUDA graph on CUDA unless cuda_graph
+    is False."""
     check_sampling(temperature, top_k, top_p)
+    if cuda_graph not in (None, True, False):
+        raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
     _check_target(target)
     B, T = prompt.shape
     dev = target.lm_head.weight.device
@@ -475,13 +638,19 @@ def autoregressive_generate(
         _, gen = _streams(generator, dev)
         cache = SpecCache(target.config.num_hidden_layers, 0, B, T + max_new_tokens + 1, dev)
         out = [prompt]
+        run = _Graphed(dev.type == "cuda" and cuda_graph is not False)
+        lens = torch.zeros(B, dtype=torch.long, device=dev)
+        tok_buf = torch.zeros(B, 1, dtype=torch.long, device=dev)
         for s0 in range(0, T, PREFILL_CHUNK):
             s1 = min(T, s0 + PREFILL_CHUNK)
             logits, _ = target_forward(target, cache, prompt[:, s0:s1])
             cache.set_lengths(torch.full((B,), s1, dtype=torch.long, device=dev), [s1] * B)
         for i in range(max_new_tokens):
             if i:
-                logits, _ = target_forward(target, cache, tok)
+                _positions_check(cache, 1)
+                lens.copy_(cache.lengths)
+                tok_buf.copy_(tok)
+                (logits,) = run(("target", 1), lambda: (target_step(target, cache, tok_buf, lens),))
                 cache.set_lengths(cache.lengths + 1, [h + 1 for h in cache.host_lengths])
             last = logits[:, -1]
             nxt = last.argmax(-1) if temperature == 0 else sample_probs(sampling_probs(last, temperature, top_k, top_p), gen)

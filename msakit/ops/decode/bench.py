@@ -35,6 +35,19 @@ REPS_IN_GRAPH = 10
 _FLUSH = {}
 
 
+def _capture(step):
+    """One warm-up call of step() on a side stream, then a CUDA graph of it: (graph, its outputs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        out = step()
+    return cg, out
+
+
 def _flush_fn(mode: str = "write"):
     """The L2 flush before a cold call: "write" zeroes a 256 MiB buffer (the headline numbers;
     it leaves ~50 MB of dirty lines in L2 that the timed call pays to write back), "read" reads
@@ -219,14 +232,7 @@ def _outputs(case, plan_kw: dict, nq: int = 1, graph: bool = True):
     o, bi = step()
     res = [(o.clone(), bi.clone())]
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        cg = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cg):
-            go, gbi = step()
+        cg, (go, gbi) = _capture(step)
         cg.replay()
         torch.cuda.synchronize()
         res.append((go.clone(), gbi.clone()))
@@ -396,14 +402,7 @@ def _ab_outputs(case, plan_kw: dict, nq: int) -> dict:
     if dev.type != "cuda":  # (the CPU dry run of the tests: no graph)
         counters = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
         return {"o": o, "lse": lse, "bi": bi, "q": q, "qi": qi, "graph_equal": True, "counters_zero": counters}
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    cg = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cg):
-        go, glse, gbi = step()
+    cg, (go, glse, gbi) = _capture(step)
     _poison(plan)
     cg.replay()
     torch.cuda.synchronize()

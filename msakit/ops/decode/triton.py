@@ -192,10 +192,7 @@ def _score_kernel(
     s = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
-    L = tl.load(sl_ptr + b)
-    npg = (L + PS - 1) // PS
-    p0 = ((s * npg.to(tl.int64)) // S).to(tl.int32)
-    p1 = (((s + 1) * npg.to(tl.int64)) // S).to(tl.int32)
+    L, p0, p1 = _split_pages(sl_ptr, b, s, S, PS)
 
     m = tl.arange(0, MP)
     i_m = m // G
@@ -233,6 +230,16 @@ def _score_kernel(
     if FUSED:
         _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
                     NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
+
+
+@triton.jit
+def _split_pages(sl_ptr, b, s, S, PS: tl.constexpr):
+    """Sequence b's length L and the page range [p0, p1) of score split s of S."""
+    L = tl.load(sl_ptr + b)
+    npg = (L + PS - 1) // PS
+    p0 = ((s * npg.to(tl.int64)) // S).to(tl.int32)
+    p1 = (((s + 1) * npg.to(tl.int64)) // S).to(tl.int32)
+    return L, p0, p1
 
 
 @triton.jit
@@ -302,10 +309,7 @@ def _score2_kernel(
     s = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
-    L = tl.load(sl_ptr + b)
-    npg = (L + PS - 1) // PS
-    p0 = ((s * npg.to(tl.int64)) // S).to(tl.int32)
-    p1 = (((s + 1) * npg.to(tl.int64)) // S).to(tl.int32)
+    L, p0, p1 = _split_pages(sl_ptr, b, s, S, PS)
 
     m = tl.arange(0, MP)
     pos_m = L - NQ + m // G  # position of row m's query

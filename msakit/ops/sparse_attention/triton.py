@@ -636,6 +636,20 @@ def _sa_fwd_kernel(
 
 
 @triton.jit
+def _merge_store(OUT, LSE, acc, sw, mx, n, h, ok, offs_d, d_ok, T, HQ: tl.constexpr, D: tl.constexpr,
+                 WEIGHTED: tl.constexpr):
+    """The merge's epilogue: out = acc / sum of weights (weighted merge) and lse = mx + log(sum),
+    for rows (token n, head h); an unweighted reduce (dq) stores the plain sum."""
+    if WEIGHTED:
+        acc = acc * (1.0 / tl.where(sw > 0.0, sw, 1.0))[:, None]
+    tl.store(OUT + ((n * HQ + h) * D)[:, None] + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    if WEIGHTED:
+        lse = tl.where(sw > 0.0, mx + tl.log(tl.where(sw > 0.0, sw, 1.0)), float("-inf"))
+        b = n // T
+        tl.store(LSE + (b * HQ + h) * T + (n - b * T), lse, mask=ok)
+
+
+@triton.jit
 def _sa_slot_reduce_kernel(
     P, LP, NV, INV, OUT, LSE,
     n0, C, T,
@@ -656,6 +670,8 @@ def _sa_slot_reduce_kernel(
     hh = h % HPG
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
+    mx = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
+    sw = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
     if WEIGHTED:
         mx = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
         for s in range(0, KS):
@@ -663,7 +679,6 @@ def _sa_slot_reduce_kernel(
             ls = tl.load(LP + e * HPG + hh, mask=ok & (s < nv), other=float("-inf"))
             mx = tl.maximum(mx, ls)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
-        sw = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_D], tl.float32)
     for s in range(0, KS, 2):  # two slots per step: both loads in flight together
         ok0 = ok & (s < nv)
@@ -679,14 +694,7 @@ def _sa_slot_reduce_kernel(
             acc += x0.to(tl.float32) * w0[:, None] + x1.to(tl.float32) * w1[:, None]
         else:
             acc += x0.to(tl.float32) + x1.to(tl.float32)
-    if WEIGHTED:
-        acc = acc * (1.0 / tl.where(sw > 0.0, sw, 1.0))[:, None]
-    n = n0 + t64
-    tl.store(OUT + ((n * HQ + h) * D)[:, None] + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
-    if WEIGHTED:
-        lse = tl.where(sw > 0.0, mx + tl.log(tl.where(sw > 0.0, sw, 1.0)), float("-inf"))
-        b = n // T
-        tl.store(LSE + (b * HQ + h) * T + (n - b * T), lse, mask=ok)
+    _merge_store(OUT, LSE, acc, sw, mx, n0 + t64, h, ok, offs_d, d_ok, T, HQ, D, WEIGHTED)
 
 
 @triton.jit
@@ -754,14 +762,7 @@ def _sa_slot_merge_kernel(
     acc = tl.zeros([BLOCK_T * BLOCK_HP, BLOCK_D], tl.float32)
     for s in tl.range(0, KS, 2, num_stages=NUM_STAGES):
         acc, sw = _merge_pair(P, LP, INV, ibase, s, ok, nv, hh, mx, acc, sw, offs_d, d_ok, D, HPG, WEIGHTED, EVICT)
-    if WEIGHTED:
-        acc = acc * (1.0 / tl.where(sw > 0.0, sw, 1.0))[:, None]
-    n = n0 + t64
-    tl.store(OUT + ((n * HQ + h) * D)[:, None] + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
-    if WEIGHTED:
-        lse = tl.where(sw > 0.0, mx + tl.log(tl.where(sw > 0.0, sw, 1.0)), float("-inf"))
-        b = n // T
-        tl.store(LSE + (b * HQ + h) * T + (n - b * T), lse, mask=ok)
+    _merge_store(OUT, LSE, acc, sw, mx, n0 + t64, h, ok, offs_d, d_ok, T, HQ, D, WEIGHTED)
 
 
 @triton.jit
