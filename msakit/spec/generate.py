@@ -32,6 +32,28 @@ longest chosen prefix + 1 (one extra host sync per round).
 
 Host syncs: one per round (the accepted counts and tokens, for termination and the output), plus
 one with the confidence budget.  Nothing per token.
+
+Fixed shapes / CUDA graph (`cuda_graph=None`: on for CUDA unless False; CPU always eager): the
+rounds run `_StaticRounds`, whose two steps read only static device buffers -- `lengths` int64
+[B] (the cache lengths at the round's start, copied device to device from `cache.lengths`) and
+`tokens` int64 [B, g + 1] ([anchor, drafts]) -- and the `SpecCache` buffers, preallocated to
+max_len at the prefill (fixed addresses):
+(a) the drafter block, `draft_hidden(drafter, cache, anchor, lengths)`: the context is all
+    max_len positions with the window / length mask (no `[:, :max(host lengths)]` slice); with
+    temperature 0 also `propose` (argmaxes through the Markov head, the confidence head);
+(b) the verify forward, `target_step`: [anchor, x_1 .. x_w-1] at positions lengths + i, keys
+    written, attention over all max_len positions masked by position (MSA: block selection over
+    all max_len / block_size blocks, blocks past the query masked), logits; then the tap states'
+    context keys for the drafter (`draft_context_update`, fused in).
+Nothing in them depends on a host length, so each is a CUDA graph captured at its first use
+(warm-up on a side stream under torch.cuda.set_sync_debug_mode("error"), capture, replay; one
+drafter graph per run and one target graph per verify width: w = g + 1, or each width the
+confidence budget picks) and replayed afterwards; any failure -> eager rounds with a one-time
+warning.  Eager rounds (cuda_graph=False, CPU, fallback) run the same fixed-shape code, so graph
+and eager give the same output.  Outside the graphs: the prefill (`target_forward`, chunks of
+growing length), sampling (the drafter's draws with a generator, `sampling_probs`), `verify`, the
+confidence-budget scheduler, the per-round host sync and the length / output bookkeeping.
+`autoregressive_generate` runs its per-token forward through `target_step` the same way.
 """
 
 from __future__ import annotations
@@ -276,8 +298,9 @@ class _Graphed:
     Any failure turns graphs off for the rest of the run (a one-time warning) and the call runs
     eagerly.  Returns the function's output tensors (clones of the graph's on replay)."""
 
-    def __init__(self, use_graph: bool) -> None:
-        self.use_graph = use_graph
+    def __init__(self, use_graph: bool, device: torch.device) -> None:
+        self.use_graph = use_graph and device.type == "cuda"  # CPU: always eager
+        self.device = device
         self.disabled_reason: str | None = None
         self.graphs: dict[Any, tuple[Any, tuple[torch.Tensor, ...]]] = {}
 
@@ -298,11 +321,15 @@ class _Graphed:
         return self._capture(key, fn)
 
     def _capture(self, key: Any, fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        with torch.cuda.device(self.device):
+            return self._capture_on_device(key, fn)
+
+    def _capture_on_device(self, key: Any, fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         from msakit.generate import _where
         from msakit.nn.moe import _GMM_FAILED
 
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(device=self.device)
         side.wait_stream(cur)
         prev = torch.cuda.get_sync_debug_mode()
         gmm_failed = set(_GMM_FAILED)  # a sync error inside torch._grouped_mm must not mark it failed for good
@@ -351,7 +378,7 @@ class _StaticRounds:
         self.lengths = torch.zeros(B, dtype=torch.long, device=cache.device)
         self.tokens = torch.zeros(B, g + 1, dtype=torch.long, device=cache.device)
         self.propose_kw = propose_kw  # greedy: propose (no generator) runs inside the drafter graph
-        self.run = _Graphed(use_graph)
+        self.run = _Graphed(use_graph, cache.device)
 
     def draft(self, anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """-> (h,) or, greedy, (draft tokens [B, g], confidence [B, g] or nothing)."""
@@ -466,7 +493,7 @@ def speculative_generate(
     depend on it.
     """
     check_sampling(temperature, top_k, top_p)
-    if cuda_graph not in (None, True, False):
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must have shape [B, T] with T >= 1, got {tuple(prompt.shape)}")
@@ -534,7 +561,7 @@ def speculative_generate(
         cost = budget_cost if budget_cost is not None else (1.0, 0.5 / (B * (g + 1)))
         propose_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g,
                           want_confidence=confidence_budget)
-        rounds = _StaticRounds(target, drafter, cache, taps, g, dev.type == "cuda" and cuda_graph is not False,
+        rounds = _StaticRounds(target, drafter, cache, taps, g, cuda_graph is not False,
                                propose_kw if greedy else None)
 
         while not all(done):
@@ -624,7 +651,7 @@ def autoregressive_generate(
     per-token forward is `target_step` (fixed shapes), a CUDA graph on CUDA unless cuda_graph
     is False."""
     check_sampling(temperature, top_k, top_p)
-    if cuda_graph not in (None, True, False):
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
     _check_target(target)
     B, T = prompt.shape
@@ -638,7 +665,7 @@ def autoregressive_generate(
         _, gen = _streams(generator, dev)
         cache = SpecCache(target.config.num_hidden_layers, 0, B, T + max_new_tokens + 1, dev)
         out = [prompt]
-        run = _Graphed(dev.type == "cuda" and cuda_graph is not False)
+        run = _Graphed(cuda_graph is not False, dev)
         lens = torch.zeros(B, dtype=torch.long, device=dev)
         tok_buf = torch.zeros(B, 1, dtype=torch.long, device=dev)
         for s0 in range(0, T, PREFILL_CHUNK):
