@@ -181,6 +181,61 @@ def _where(e: BaseException) -> str:
     return f" at {path[path.rfind('msakit/'):]}:{f.lineno} ({f.name})"
 
 
+class GraphCaptureError(RuntimeError):
+    """`capture_graph` failed: `stage` is "warm-up" or "capture"; `out` the warm-up's output
+    (None when the warm-up itself failed)."""
+
+    def __init__(self, stage: str, error: BaseException, out: Any = None) -> None:
+        super().__init__(f"{stage}: {type(error).__name__}: {error}")
+        self.stage, self.error, self.out = stage, error, out
+
+    def describe(self, what: str) -> str:
+        e = self.error
+        verb = "failed" if self.stage == "warm-up" else "could not be captured"
+        return f"{what} {verb}{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})"
+
+
+def capture_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Any, "torch.cuda.CUDAGraph", Any]:
+    """Warm up and capture `fn` (a step that reads only static buffers) as one CUDA graph.
+
+    The warm-up is a real call of fn() on a side stream with torch's sync debug mode set to
+    "error", so any host sync raises; then fn() is captured on that stream.  Returns (the
+    warm-up's output, the graph, the captured call's output buffers); raises GraphCaptureError.
+    A sync error inside torch._grouped_mm does not mark it failed for good (`_GMM_FAILED` is
+    restored)."""
+    from msakit.nn.moe import _GMM_FAILED
+
+    cur = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(cur)
+    prev = torch.cuda.get_sync_debug_mode()
+    gmm_failed = set(_GMM_FAILED)
+    try:
+        with torch.cuda.stream(side):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(prev)
+                _GMM_FAILED.intersection_update(gmm_failed)
+    except Exception as e:  # noqa: BLE001 - the caller falls back to eager
+        cur.wait_stream(side)
+        raise GraphCaptureError("warm-up", e) from e
+    cur.wait_stream(side)
+    for o in out if isinstance(out, (tuple, list)) else (out,):
+        o.record_stream(cur)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                captured = fn()
+        finally:
+            _GMM_FAILED.intersection_update(gmm_failed)
+    except Exception as e:  # noqa: BLE001
+        raise GraphCaptureError("capture", e, out) from e
+    return out, graph, captured
+
+
 def _h2d(dst: torch.Tensor, values: list[int]) -> None:
     """Copy host values into a static device buffer without a host sync (pinned staging; the
     caching host allocator keeps the pinned block until the copy has run)."""
@@ -437,41 +492,16 @@ class PagedDecoder:
     def _capture(self, g: _GraphStep, new: torch.Tensor) -> torch.Tensor:
         """Warm-up (the real step, eagerly on a side stream, any host sync an error), capture,
         replay.  On failure the step's logits come from the warm-up or the eager forward."""
-        from msakit.nn.moe import _GMM_FAILED
-
-        dev = self.cache.device
-        cur = torch.cuda.current_stream(dev)
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(cur)
-        prev = torch.cuda.get_sync_debug_mode()
-        gmm_failed = set(_GMM_FAILED)  # a sync error inside torch._grouped_mm must not mark it failed for good
-        out = None
         try:
-            with torch.cuda.stream(side):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out = self.static_step(g)
-                finally:
-                    torch.cuda.set_sync_debug_mode(prev)
-                    _GMM_FAILED.intersection_update(gmm_failed)
-        except Exception as e:  # noqa: BLE001 - any failure: eager decoding
-            cur.wait_stream(side)
-            self._disable_graph(f"the warm-up step failed{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})")
+            out, graph, logits = capture_graph(lambda: self.static_step(g), self.cache.device)
+        except GraphCaptureError as e:
+            if e.out is not None:  # the warm-up ran the step: its logits are this step's
+                self._disable_graph(e.describe("the decode step"))
+                return e.out
+            self._disable_graph(e.describe("the warm-up step"))
             starts = [L - g.nq for L in (self.cache.length(sid) for sid in self.seq_ids)]
             slots = g.slots.clone()  # the slots reserved by stage()
             return self._eager_forward(new, starts, slots)
-        cur.wait_stream(side)
-        out.record_stream(cur)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            try:
-                with torch.cuda.graph(graph, stream=side):
-                    logits = self.static_step(g)
-            finally:
-                _GMM_FAILED.intersection_update(gmm_failed)
-        except Exception as e:  # noqa: BLE001
-            self._disable_graph(f"capture failed{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})")
-            return out
         g.graph, g.logits = graph, logits
         graph.replay()
         return logits.clone()

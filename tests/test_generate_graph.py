@@ -272,3 +272,49 @@ def test_cuda_graph_falls_back_with_warning() -> None:
         a = generate(model, prompt, 6, temperature=0, cache="paged", decode_backend="reference", cuda_graph=True)
     b = generate(model, prompt, 6, temperature=0, cache="paged", decode_backend="reference", cuda_graph=False)
     assert torch.equal(a, b)
+
+
+def test_capture_graph_flow_with_fakes(monkeypatch) -> None:
+    """capture_graph (shared by generate and the speculative rounds): warm-up under sync-error
+    mode then capture; a warm-up failure raises stage "warm-up" without output, a capture failure
+    stage "capture" with the warm-up's output; the sync debug mode is restored either way."""
+    import contextlib
+
+    from msakit import generate as gen_mod
+
+    modes = ["default"]
+
+    class FakeStream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    class Out:
+        recorded = 0
+
+        def record_stream(self, s) -> None:
+            Out.recorded += 1
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: modes.append(m))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, stream=None: contextlib.nullcontext())
+    calls = []
+
+    def fn(fail_at=None):
+        calls.append(modes[-1])
+        if fail_at == len(calls):
+            raise RuntimeError("boom")
+        return (Out(), Out())
+
+    out, graph, captured = gen_mod.capture_graph(fn, torch.device("cpu"))
+    assert graph == "graph" and len(out) == 2 and len(captured) == 2 and Out.recorded == 2
+    assert calls == ["error", "default"] and modes[-1] == "default"  # warm-up in error mode, restored
+    for stage, at in (("warm-up", 1), ("capture", 2)):
+        calls.clear()
+        with pytest.raises(gen_mod.GraphCaptureError) as ei:
+            gen_mod.capture_graph(lambda: fn(at), torch.device("cpu"))
+        assert ei.value.stage == stage and (ei.value.out is None) == (stage == "warm-up")
+        assert modes[-1] == "default" and "RuntimeError: boom" in ei.value.describe("the step")

@@ -325,39 +325,13 @@ class _Graphed:
             return self._capture_on_device(key, fn)
 
     def _capture_on_device(self, key: Any, fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-        from msakit.generate import _where
-        from msakit.nn.moe import _GMM_FAILED
+        from msakit.generate import GraphCaptureError, capture_graph
 
-        cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(cur)
-        prev = torch.cuda.get_sync_debug_mode()
-        gmm_failed = set(_GMM_FAILED)  # a sync error inside torch._grouped_mm must not mark it failed for good
         try:
-            with torch.cuda.stream(side):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out = fn()
-                finally:
-                    torch.cuda.set_sync_debug_mode(prev)
-                    _GMM_FAILED.intersection_update(gmm_failed)
-        except Exception as e:  # noqa: BLE001 - any failure: eager rounds
-            cur.wait_stream(side)
-            self._disable(f"the warm-up of {key!r} failed{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})")
-            return fn()
-        cur.wait_stream(side)
-        for o in out:
-            o.record_stream(cur)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            try:
-                with torch.cuda.graph(graph, stream=side):
-                    outs = fn()
-            finally:
-                _GMM_FAILED.intersection_update(gmm_failed)
-        except Exception as e:  # noqa: BLE001
-            self._disable(f"capturing {key!r} failed{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})")
-            return out
+            out, graph, outs = capture_graph(fn, self.device)
+        except GraphCaptureError as e:
+            self._disable(e.describe(f"the round step {key!r}"))
+            return e.out if e.out is not None else fn()
         self.graphs[key] = (graph, outs)
         graph.replay()
         return tuple(o.clone() for o in outs)
