@@ -73,14 +73,10 @@ _INDEX_KEYS = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 def load_for_conversion(path: str | os.PathLike[str], device: Any = None, dtype: torch.dtype | None = None) -> nn.Module:
     """Load a model folder: msakit / MiniMax-M3 (`M3ForCausalLM`), a saved `MSAWrappedModel`, or
     an HF Llama-style model (through transformers, offline).  Decided by config.json's model_type."""
+    from msakit.cost import read_config_json
+
     folder = Path(path)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"no config.json in {folder}")
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    raw, cfg_path = read_config_json(folder / "config.json", "config.json")
     model_type = raw.get("model_type")
     if (folder / MSA_FILE).is_file():
         return MSAWrappedModel.from_pretrained(folder, device=device, dtype=dtype)

@@ -46,6 +46,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from msakit.cost import read_config_json
+
 from .formats import _E8M0, mxfp8_quantize
 from .linear import (
     PackedEmbedding,
@@ -195,13 +197,7 @@ def read_quantization_config(path: str | Any) -> tuple[dict, dict]:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
-    cpath = folder / "config.json"
-    if not cpath.is_file():
-        raise FileNotFoundError(f"config not found: {cpath}")
-    try:
-        raw = json.loads(cpath.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cpath}: not valid JSON ({e})") from None
+    raw, cpath = read_config_json(folder / "config.json")
     if not isinstance(raw, dict):
         raise ValueError(f"{cpath}: config must be a JSON object")
     q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
