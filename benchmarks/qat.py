@@ -6,7 +6,9 @@
    scales, attention / index branch / shared experts / dense MLPs MXFP8 with dynamic 1x32
    activation quantization, router FP32, embeddings + head BF16) -> validation loss.
 3. From the same BF16 checkpoint, K more steps with QAT (`prepare_qat`, STE) and K more steps
-   in BF16 (the control), same data order and LR; the QAT model is evaluated after `convert`
+   in BF16 (the control), same data order and LR (K = the BF16 steps; warm-up, then cosine to
+   0: a short phase ending at half the LR recovered 21-39% in runs 11-12, a phase as long as
+   the BF16 one annealed to 0 83-132% in run 14); the QAT model is evaluated after `convert`
    (real packed weights; the fake-quant forward gives the same loss).
 4. Speed: median QAT step time against the BF16 step; quantize / dequantize kernel bandwidth
    (`msakit.quant.formats.bench.bench_formats`, plus QAT's grouped expert kernel) against the
@@ -43,14 +45,14 @@ from msakit.quant import capture_weight_refresh, convert, plan_counts, prepare_q
 
 PRESETS = {
     # CPU smoke run: tiny model, short context
-    "tiny": dict(model="tiny", layers=4, vocab=2048, context=128, batch=8, steps=160, extra=40, warmup=20,
-                 lr=3e-3, ft_lr=3e-4, tok_files=150, train_tokens=400_000, val_tokens=40_000, eval_rows=32,
+    "tiny": dict(model="tiny", layers=4, vocab=2048, context=128, batch=8, steps=160, extra=160, warmup=20,
+                 lr=3e-3, ft_lr=3e-4, ft_floor=0.0, tok_files=150, train_tokens=400_000, val_tokens=40_000, eval_rows=32,
                  budget_s=360.0, max_epochs=3.0),
     # H200: the "small" preset (hidden 512, 8 layers, 16 experts top-4 of width 256 + 1 shared)
     # (steps is a maximum: the step time measured in the warm-up fits the run into the budget;
     # 2400 steps x 16K tokens is ~4 epochs of the ~9M-token stdlib training split)
-    "gpu": dict(model="small", layers=8, vocab=4096, context=512, batch=32, steps=2400, extra=300, warmup=100,
-                lr=2e-3, ft_lr=2e-4, tok_files=500, train_tokens=12_000_000, val_tokens=300_000, eval_rows=512,
+    "gpu": dict(model="small", layers=8, vocab=4096, context=512, batch=32, steps=2400, extra=2400, warmup=100,
+                lr=2e-3, ft_lr=2e-4, ft_floor=0.0, tok_files=500, train_tokens=12_000_000, val_tokens=300_000, eval_rows=512,
                 budget_s=270.0, max_epochs=3.0),
 }
 
@@ -355,6 +357,7 @@ def main() -> None:
     ap.add_argument("--context", type=int)
     ap.add_argument("--lr", type=float)
     ap.add_argument("--ft-lr", type=float, help="LR of the QAT / control phase")
+    ap.add_argument("--ft-floor", type=float, help="final LR of the QAT / control cosine, as a fraction of --ft-lr")
     ap.add_argument("--budget-s", type=float, help="wall-clock guard for the whole run")
     ap.add_argument("--recipe", default="m3.1-flash")
     ap.add_argument("--seed", type=int, default=0)
@@ -367,7 +370,7 @@ def main() -> None:
     t_begin = time.time()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
     p = dict(PRESETS["tiny" if args.tiny or device.type != "cuda" else "gpu"])
-    for k in ("steps", "extra", "batch", "context", "lr", "ft_lr", "budget_s"):
+    for k in ("steps", "extra", "batch", "context", "lr", "ft_lr", "ft_floor", "budget_s"):
         v = getattr(args, k)
         if v is not None:
             p[k] = v
@@ -401,7 +404,8 @@ def main() -> None:
     # later QAT / control phases then compare overfitting rather than quantization
     per_epoch = max(1, dinfo.get("train_rows", p["steps"] * p["batch"]) // p["batch"])
     p["steps"] = min(p["steps"], int(p["max_epochs"] * per_epoch))
-    p["extra"] = min(p["extra"], max(20, p["steps"] // 4))
+    if args.extra is None:  # as many QAT (and control) steps as BF16 steps; an explicit --extra is taken as given
+        p["extra"] = min(p["extra"], p["steps"])
     res_main = train(model, opt, batches, device, Schedule(p["lr"], p["warmup"], p["steps"]), label="bf16",
                      deadline=main_budget, probe=min(30, p["warmup"] - 1))
     res_main["wall_s"] = time.time() - t0
@@ -419,7 +423,7 @@ def main() -> None:
     remaining = max(10.0, deadline - time.time())
     extra = p["extra"]
     ft_warm = max(2, extra // 10)
-    ft = Schedule(p["ft_lr"], ft_warm, extra, floor=0.5)
+    ft = Schedule(p["ft_lr"], ft_warm, extra, floor=p["ft_floor"])
     phase_deadline = time.time() + 0.42 * remaining
     qat_model = prepare_qat(copy.deepcopy(model), plan)
     if device.type == "cuda" and not args.no_graph_refresh:

@@ -83,6 +83,9 @@ def test_greedy_unchanged_with_cuda_graph_flag(mode: str) -> None:
     s1 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cuda_graph=False)
     s2 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cuda_graph=True)
     assert torch.equal(s1, s2)
+    s1 = speculative_generate(t, d, prompt, 12, temperature=0.8, top_p=0.9, generator=g.manual_seed(6), cuda_graph=False)
+    s2 = speculative_generate(t, d, prompt, 12, temperature=0.8, top_p=0.9, generator=g.manual_seed(6), cuda_graph=True)
+    assert torch.equal(s1, s2)
     with pytest.raises(ValueError):
         speculative_generate(t, d, prompt, 4, cuda_graph="yes")
     with pytest.raises(ValueError):
@@ -92,8 +95,9 @@ def test_greedy_unchanged_with_cuda_graph_flag(mode: str) -> None:
 def test_graph_flow_with_fake_capture(monkeypatch) -> None:
     """The graph bookkeeping on CPU: a fake capture records the function and its outputs, a
     replay re-runs the recorded function into those outputs (as a graph re-runs its kernels on
-    the same buffers); greedy / sampled output, the keys (one drafter graph, one target graph
-    per verify width) and the clones match the eager rounds."""
+    the same buffers); greedy / sampled output, the keys (one round graph; with the confidence
+    budget one drafter graph and one target graph per verify width) and the clones match the
+    eager rounds."""
     import msakit.spec.generate as sg
 
     keys: list = []
@@ -127,7 +131,7 @@ def test_graph_flow_with_fake_capture(monkeypatch) -> None:
     monkeypatch.setattr(sg._Graphed, "_capture", fake_capture)
     monkeypatch.setattr(sg._Graphed, "__init__", on_cpu)
     assert torch.equal(speculative_generate(t, d, prompt, 30, temperature=0), ref)
-    assert keys == ["drafter", ("target", d.config.block_size + 1)]
+    assert keys == ["round"]  # one graph per run: the whole round
     keys.clear()
     out = speculative_generate(t, d, prompt, 30, temperature=0, confidence_budget=True, budget_cost=(1.0, 0.3))
     assert torch.equal(out, ref)
@@ -136,7 +140,7 @@ def test_graph_flow_with_fake_capture(monkeypatch) -> None:
     assert torch.equal(speculative_generate(t, d, prompt, 12, temperature=1.0, top_k=8, generator=g.manual_seed(5)),
                        eager)
     assert torch.equal(autoregressive_generate(t, prompt, 30, temperature=0), ref)
-    assert keys == ["drafter", ("target", d.config.block_size + 1), ("target", 1)]
+    assert keys == ["round", ("target", 1)]
 
 
 # ------------------------------------------------------------------------------------------- CUDA
@@ -222,6 +226,9 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
     g = torch.Generator(device="cuda")
     s1 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cuda_graph=False)
     s2 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cuda_graph=True)
+    assert torch.equal(s1, s2)
+    s1 = speculative_generate(t, d, prompt, 12, temperature=0.8, top_p=0.9, generator=g.manual_seed(6), cuda_graph=False)
+    s2 = speculative_generate(t, d, prompt, 12, temperature=0.8, top_p=0.9, generator=g.manual_seed(6), cuda_graph=True)
     assert torch.equal(s1, s2)
     assert _graph_failures() == before
 

@@ -360,15 +360,20 @@ class DSparkDrafter(nn.Module):
         generator: torch.Generator | None = None,
         num_drafts: int | None = None,
         want_confidence: bool = False,
+        noise: torch.Tensor | None = None,
     ) -> DraftProposal:
         """Draw the drafts of one block: h [B, gamma, H] (`run_blocks` output), anchor int64 [B].
 
         Row k's distribution is sampling_probs(lm_head(h_k) + W2 W1[x_(k-1)]) with x_(-1) = the
         anchor, drawn left to right (the Markov bias needs the previous draft); without a Markov
-        head all rows are drawn at once.  Temperature 0 takes argmaxes (probs None)."""
+        head all rows are drawn at once.  Temperature 0 takes argmaxes (probs None).  noise
+        (float32 [B, >= num_drafts, V], Exp(1)): the race noise of the draws, drawn beforehand
+        (then `generator` is not used; see `sample_probs`)."""
         check_sampling(temperature, top_k, top_p)
         g = self.config.block_size if num_drafts is None else int(num_drafts)
         h = h[:, :g]
+        if noise is not None:
+            noise = noise[:, :g]
         base = self.lm_head(h).float()  # [B, g, V]
         greedy = temperature == 0
         if self.markov_head is None:
@@ -376,7 +381,7 @@ class DSparkDrafter(nn.Module):
                 toks, probs = base.argmax(-1), None
             else:
                 probs = sampling_probs(base, temperature, top_k, top_p)
-                toks = sample_probs(probs, generator)
+                toks = sample_probs(probs, generator, noise=noise)
             prevs = torch.cat([anchor.view(-1, 1), toks[:, :-1]], dim=1)
         else:
             W1 = self.markov_head.markov_w1.weight
@@ -390,7 +395,7 @@ class DSparkDrafter(nn.Module):
                     x = z.argmax(-1)
                 else:
                     p = sampling_probs(z, temperature, top_k, top_p)
-                    x = sample_probs(p, generator)
+                    x = sample_probs(p, generator, noise=None if noise is None else noise[:, k])
                     probs_l.append(p)
                 toks_l.append(x)
                 prev = x

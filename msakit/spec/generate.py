@@ -368,6 +368,51 @@ class _StaticRounds:
         prop = self.drafter.propose(h, anchor, **self.propose_kw)
         return (prop.tokens,) if prop.confidence is None else (prop.tokens, prop.confidence)
 
+    def fused_setup(self, sample_kw: dict[str, Any], vocab: int) -> None:
+        """Buffers of the fused round: `active` bool [B], the next round's state (`next_lengths`,
+        `next_anchor`), `result` int64 [B, g + 2] ([n, tokens]); sampling: the round's Exp(1)
+        race noise of the drafts [B, g, V] and of the extra token [B, V], acceptance uniforms [B, g]."""
+        B, g, dev = self.tokens.shape[0], self.g, self.tokens.device
+        self.sample_kw = sample_kw
+        self.greedy = sample_kw["temperature"] == 0
+        self.active = torch.ones(B, dtype=torch.bool, device=dev)
+        self.next_lengths = torch.zeros_like(self.lengths)
+        self.next_anchor = torch.zeros(B, dtype=torch.long, device=dev)
+        self.result = torch.zeros(B, g + 2, dtype=torch.long, device=dev)
+        if not self.greedy:
+            self.noise_draft = torch.ones(B, g, vocab, dtype=torch.float32, device=dev)
+            self.uniforms = torch.zeros(B, g, dtype=torch.float32, device=dev)
+            self.noise_extra = torch.ones(B, vocab, dtype=torch.float32, device=dev)
+
+    def round(self) -> torch.Tensor:
+        """One whole round (one CUDA graph) -> result [B, g + 2] = [n, accepted drafts, extra token,
+        -1 ...]; then the state advances (lengths += n + 1 and the anchor = the extra token, for
+        active rows).  The captured function only reads the state and writes `next_*`, so a
+        replay is idempotent (the capture's warm-up call and its replay give the same round)."""
+        (res,) = self.run("round", self._round)
+        self.lengths.copy_(self.next_lengths)
+        self.tokens[:, 0].copy_(self.next_anchor)
+        return res
+
+    def _round(self) -> tuple[torch.Tensor]:
+        kw = self.sample_kw
+        anchor = self.tokens[:, 0]
+        h = draft_hidden(self.drafter, self.cache, anchor, self.lengths)
+        prop = self.drafter.propose(h, anchor, noise=None if self.greedy else self.noise_draft, **kw)
+        self.tokens[:, 1:].copy_(prop.tokens)
+        logits = target_step(self.target, self.cache, self.tokens, self.lengths, self.taps, self.drafter)
+        if self.greedy:
+            n, toks = verify(prop.tokens, None, logits, greedy=True)
+        else:
+            p = sampling_probs(logits, kw["temperature"], kw["top_k"], kw["top_p"])
+            n, toks = verify(prop.tokens, prop.probs, p, uniforms=self.uniforms, noise=self.noise_extra)
+        self.next_lengths.copy_(self.lengths + torch.where(self.active, n + 1, torch.zeros_like(n)))
+        extra = toks.gather(1, n.view(-1, 1)).squeeze(1)
+        self.next_anchor.copy_(torch.where(self.active, extra, anchor))
+        self.result[:, 0].copy_(n)
+        self.result[:, 1:].copy_(toks)
+        return (self.result,)
+
     def verify_forward(self, drafts: torch.Tensor) -> torch.Tensor:
         """drafts [B, w - 1] after the staged anchor -> target logits [B, w, V] (keys and draft
         context written at lengths + i)."""
@@ -378,6 +423,139 @@ class _StaticRounds:
                                                                  self.lengths, self.taps, self.drafter),))
         self.cache.written = [h_ + w for h_ in self.cache.host_lengths]
         return logits
+
+
+class _Book:
+    """Host bookkeeping of a speculative run: the tokens emitted per row, which rows are done
+    (max_new_tokens reached or an eos emitted), the statistics and the streamer."""
+
+    def __init__(self, B: int, g: int, max_new: int, eos: list[int] | None, streamer, stats: SpecStats) -> None:
+        self.B, self.g, self.max_new, self.eos, self.streamer, self.stats = B, g, max_new, eos, streamer, stats
+        self.out: list[list[int]] = [[] for _ in range(B)]
+        self.done = [False] * B
+
+    def start(self, first: list[int]) -> None:
+        """The prefill's token of each row."""
+        for b, t in enumerate(first):
+            self.out[b] = [t]
+            self.done[b] = (self.eos is not None and t in self.eos) or len(self.out[b]) >= self.max_new
+        if self.streamer is not None:
+            self.streamer([list(r) for r in self.out])
+
+    def active(self) -> list[bool]:
+        return [not d for d in self.done]
+
+    def absorb(self, n: list[int], toks: list[list[int]], tried: list[int] | int) -> None:
+        """One round's results: accepted drafts n[b], tokens toks[b] (accepted drafts + the extra
+        token first), drafts verified (per row, or one width for all).  Rows already done when
+        the round was read are skipped (a pipelined round may run past a row's end)."""
+        st = self.stats
+        st.rounds += 1
+        new_tokens: list[list[int]] = [[] for _ in range(self.B)]
+        for b in range(self.B):
+            if self.done[b]:
+                continue
+            nb = n[b]
+            new = toks[b][: nb + 1]
+            tr = tried if isinstance(tried, int) else tried[b]
+            st.row_rounds += 1
+            st.tokens += nb + 1
+            st.accepted_drafts += nb
+            st.verified_drafts += tr
+            for j in range(min(tr, self.g)):
+                st.position_tries[j] += 1
+                if j < nb:
+                    st.position_accepts[j] += 1
+            if self.eos is not None:
+                for i, t in enumerate(new):
+                    if t in self.eos:
+                        new = new[: i + 1]
+                        self.done[b] = True
+                        break
+            new = new[: self.max_new - len(self.out[b])]
+            self.out[b].extend(new)
+            new_tokens[b] = new
+            if len(self.out[b]) >= self.max_new:
+                self.done[b] = True
+        if self.streamer is not None:
+            self.streamer(new_tokens)
+
+
+def _fused_rounds(rounds: "_StaticRounds", book: _Book, draft_gen: torch.Generator, accept_gen: torch.Generator,
+                  greedy: bool) -> None:
+    """The rounds without a confidence budget: each is one `_StaticRounds.round` call (one CUDA
+    graph: draft, verify forward, verification, next state), pipelined one round deep -- round
+    r + 1 is queued before round r's results are read (one event wait per round, no stall of the
+    GPU on the host's bookkeeping).  The last queued round is discarded, and a row that ended in
+    round r still runs (ignored) in round r + 1."""
+    dev = rounds.lengths.device
+    cuda = dev.type == "cuda"
+    B, g = rounds.tokens.shape[0], rounds.g
+    host = [torch.empty(B, g + 2, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+    events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+    active = book.active()
+    pending = None
+    i = 0
+    while True:
+        if not all(book.done):
+            slot = i % 2
+            if not greedy:  # the round's randomness, drawn from the two streams outside the graph
+                rounds.noise_draft.exponential_(generator=draft_gen)
+                rounds.uniforms.uniform_(generator=accept_gen)
+                rounds.noise_extra.exponential_(generator=accept_gen)
+            res = rounds.round()
+            host[slot].copy_(res, non_blocking=cuda)
+            if cuda:
+                events[slot].record()
+        else:
+            slot = None
+        if pending is not None:
+            if cuda:
+                events[pending].synchronize()
+            r = host[pending].tolist()
+            book.absorb([x[0] for x in r], [x[1:] for x in r], g)
+            now = book.active()
+            if now != active:  # rows that ended stop advancing (from the next queued round on)
+                active = now
+                rounds.active.copy_(torch.tensor(active, dtype=torch.bool))
+        if slot is None or all(book.done):
+            break
+        pending = slot
+        i += 1
+
+
+def _budget_rounds(target, drafter: DSparkDrafter, cache: SpecCache, taps, g: int, anchor: torch.Tensor, book: _Book,
+                   use_graph: bool, greedy: bool, process, draft_gen, accept_gen, cost, propose_kw: dict) -> None:
+    """The rounds with DSpark's confidence budget: the drafter block (a graph; greedy: with the
+    argmax drafts), the scheduler's verify lengths (a host sync: the verify width), the target
+    forward over that width (one graph per width), `verify`, the host bookkeeping."""
+    B = cache.batch
+    dev = cache.device
+    rounds = _StaticRounds(target, drafter, cache, taps, g, use_graph, propose_kw if greedy else None)
+    while not all(book.done):
+        active_h = book.active()
+        active = torch.tensor(active_h, dtype=torch.bool, device=dev)
+        drafted = rounds.draft(anchor)
+        if greedy:  # the drafter graph drew the drafts (argmaxes)
+            prop = DraftProposal(tokens=drafted[0], probs=None, confidence=drafted[1])
+        else:  # sampling (the draft generator) stays outside the graph
+            prop = drafter.propose(drafted[0], anchor, generator=draft_gen, **propose_kw)
+        lengths = schedule_budget(prop.confidence * active.unsqueeze(1), cost)
+        lengths = torch.where(active, lengths, torch.zeros_like(lengths))
+        w = int(lengths.max())  # host sync: the verify width
+        d_tok = prop.tokens[:, :w]
+        d_prob = None if greedy else prop.probs[:, :w]
+        # [anchor, drafts] at positions L .. L + w; also writes the drafter's context
+        logits = rounds.verify_forward(d_tok)
+        n, toks = verify(d_tok, d_prob, process(logits), generator=accept_gen, greedy=greedy, lengths=lengths)
+        n_h = n.tolist()  # one host sync per round: accepted counts and tokens
+        book.absorb(n_h, toks.tolist(), lengths.tolist())
+        # roll back past the rejected drafts: length L + n + 1 for rows still running
+        step = torch.where(active, n + 1, torch.zeros_like(n))
+        host = [h_ + (n_h[b] + 1 if active_h[b] else 0) for b, h_ in enumerate(cache.host_lengths)]
+        cache.set_lengths(cache.lengths + step, host)
+        extra = toks.gather(1, n.view(B, 1)).squeeze(1)
+        anchor = torch.where(active, extra, anchor)
 
 
 def _check_target(target) -> None:
@@ -505,8 +683,9 @@ def speculative_generate(
     try:
         draft_gen, accept_gen = _streams(generator, dev)
         taps = dcfg.target_layer_ids
+        # room for the last round's overshoot and one more (discarded) pipelined round
         cache = SpecCache(target.config.num_hidden_layers, dcfg.num_hidden_layers, B,
-                          T + max_new_tokens + 2 * dcfg.block_size + 2, dev)
+                          T + max_new_tokens + 3 * (dcfg.block_size + 1), dev)
 
         def process(logits: torch.Tensor) -> torch.Tensor:
             return logits.float() if greedy else sampling_probs(logits, temperature, top_k, top_p)
@@ -520,83 +699,21 @@ def speculative_generate(
             cache.set_lengths(torch.full((B,), s1, dtype=torch.long, device=dev), [s1] * B)
         p0 = process(logits[:, -1])
         anchor = p0.argmax(-1) if greedy else sample_probs(p0, accept_gen)
-        out: list[list[int]] = [[a] for a in anchor.tolist()]
-        done = [False] * B
-        if eos is not None:
-            for b in range(B):
-                if out[b][0] in eos:
-                    done[b] = True
-        if streamer is not None:
-            streamer([list(r) for r in out])
-        for b in range(B):
-            done[b] = done[b] or len(out[b]) >= max_new_tokens
-        active_h = [not d for d in done]
-        active = torch.tensor(active_h, dtype=torch.bool, device=dev)
-        cost = budget_cost if budget_cost is not None else (1.0, 0.5 / (B * (g + 1)))
-        propose_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g,
-                          want_confidence=confidence_budget)
-        rounds = _StaticRounds(target, drafter, cache, taps, g, cuda_graph is not False,
-                               propose_kw if greedy else None)
-
-        while not all(done):
-            drafted = rounds.draft(anchor)
-            if greedy:  # the drafter graph drew the drafts (argmaxes)
-                prop = DraftProposal(tokens=drafted[0], probs=None,
-                                     confidence=drafted[1] if len(drafted) > 1 else None)
-            else:  # sampling (the draft generator) stays outside the graph
-                prop = drafter.propose(drafted[0], anchor, generator=draft_gen, **propose_kw)
-            lengths = None
-            w = g
-            if confidence_budget:
-                lengths = schedule_budget(prop.confidence * active.unsqueeze(1), cost)
-                lengths = torch.where(active, lengths, torch.zeros_like(lengths))
-                w = int(lengths.max())  # host sync: the verify width
-            d_tok = prop.tokens[:, :w]
-            d_prob = None if greedy else prop.probs[:, :w]
-            # [anchor, drafts] at positions L .. L + w; also writes the drafter's context
-            logits = rounds.verify_forward(d_tok)
-            n, toks = verify(d_tok, d_prob, process(logits), generator=accept_gen, greedy=greedy, lengths=lengths)
-            # one host sync per round: accepted counts and tokens
-            n_h, toks_h = n.tolist(), toks.tolist()
-            lens_h = lengths.tolist() if lengths is not None else None
-            new_tokens: list[list[int]] = [[] for _ in range(B)]
-            stats.rounds += 1
-            for b in range(B):
-                if not active_h[b]:
-                    continue
-                nb = n_h[b]
-                new = toks_h[b][: nb + 1]
-                tried = w if lens_h is None else lens_h[b]
-                stats.row_rounds += 1
-                stats.tokens += nb + 1
-                stats.accepted_drafts += nb
-                stats.verified_drafts += tried
-                for j in range(min(tried, g)):
-                    stats.position_tries[j] += 1
-                    if j < nb:
-                        stats.position_accepts[j] += 1
-                if eos is not None:
-                    for i, t in enumerate(new):
-                        if t in eos:
-                            new = new[: i + 1]
-                            done[b] = True
-                            break
-                room = max_new_tokens - len(out[b])
-                new = new[:room]
-                out[b].extend(new)
-                new_tokens[b] = new
-                if len(out[b]) >= max_new_tokens:
-                    done[b] = True
-            if streamer is not None:
-                streamer(new_tokens)
-            # roll back past the rejected drafts: length L + n + 1 for rows still running
-            step = torch.where(active, n + 1, torch.zeros_like(n))
-            host = [h_ + (n_h[b] + 1 if active_h[b] else 0) for b, h_ in enumerate(cache.host_lengths)]
-            cache.set_lengths(cache.lengths + step, host)
-            extra = toks.gather(1, n.view(B, 1)).squeeze(1)
-            anchor = torch.where(active, extra, anchor)
-            active_h = [not d for d in done]
-            active = torch.tensor(active_h, dtype=torch.bool, device=dev)
+        book = _Book(B, g, max_new_tokens, eos, streamer, stats)
+        book.start(anchor.tolist())
+        if confidence_budget:
+            _budget_rounds(target, drafter, cache, taps, g, anchor, book, cuda_graph is not False, greedy, process,
+                           draft_gen, accept_gen, budget_cost if budget_cost is not None else (1.0, 0.5 / (B * (g + 1))),
+                           dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g, want_confidence=True))
+        else:
+            rounds = _StaticRounds(target, drafter, cache, taps, g, cuda_graph is not False, None)
+            rounds.fused_setup(dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g),
+                               target.lm_head.weight.shape[0])
+            rounds.lengths.copy_(cache.lengths)
+            rounds.tokens[:, 0].copy_(anchor)
+            rounds.active.copy_(torch.tensor(book.active(), dtype=torch.bool))
+            _fused_rounds(rounds, book, draft_gen, accept_gen, greedy)
+        out = book.out
     finally:
         target.train(was_training[0])
         drafter.train(was_training[1])

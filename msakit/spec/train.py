@@ -457,10 +457,12 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self, until: int | None = None, max_seconds: float | None = None) -> list[dict]:
-        """Train up to step `until` (default cfg.steps).  With max_seconds, the step count is
-        re-estimated once after 10 steps so the run (and its LR schedule) ends within the time."""
+        """Train up to step `until` (default cfg.steps).  With max_seconds, the step count (and
+        with it the LR schedule) is fitted to the time after 10 steps and again after 50, from the
+        pace of steps 10-50 (the first steps include kernel compilation and autotuning)."""
         cfg = self.cfg
         end = cfg.steps if until is None else min(until, cfg.steps)
+        cap = end  # the time fit never goes past the configured steps
         start_hist, start_step = len(self.history), self.step
         t_start = time.time()
         recent: list[dict] = []
@@ -469,11 +471,17 @@ class DrafterTrainer:
             while self.step < end:
                 rec = self.train_step()
                 recent.append(rec)
-                if max_seconds is not None and self.step - start_step == 10:
-                    per = (time.time() - t_start) / 10
-                    fit_steps = self.step + int(max(0.0, max_seconds - (time.time() - t_start)) / max(per, 1e-6))
-                    if fit_steps < end:
-                        cfg.steps = end = max(self.step, fit_steps)
+                done_steps = self.step - start_step
+                if max_seconds is not None and done_steps in (10, 50):
+                    now = time.time()
+                    if done_steps == 10:
+                        per, t_ten = (now - t_start) / 10, now
+                    else:
+                        per = (now - t_ten) / 40
+                    fit_steps = self.step + int(max(0.0, max_seconds - (now - t_start)) / max(per, 1e-6))
+                    new_end = max(self.step, min(cap, fit_steps))
+                    if new_end != end:
+                        cfg.steps = end = new_end
                         if bar is not None:
                             bar.total = end
                 if bar is not None:

@@ -77,12 +77,19 @@ def sampling_probs(
     return logits.softmax(dim=-1)
 
 
-def sample_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_probs(probs: torch.Tensor, generator: torch.Generator | None = None, *,
+                 noise: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row of probs [..., V] (need not be normalised) -> int64 [...].
 
     Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d., an exact sample of p / sum(p) with
-    no host sync (``torch.multinomial`` may sync).  Zero-probability tokens are never drawn."""
-    if generator is not None and generator.device.type == "cpu" and probs.device.type != "cpu":
+    no host sync (``torch.multinomial`` may sync).  Zero-probability tokens are never drawn.
+    noise: the Exp(1) draws E themselves (float32, probs' shape), drawn beforehand, e.g. outside
+    a CUDA graph that samples inside it; then `generator` is not used."""
+    if noise is not None:
+        if noise.shape != probs.shape:
+            raise ValueError(f"noise must have the shape of probs {tuple(probs.shape)}, got {tuple(noise.shape)}")
+        e = noise
+    elif generator is not None and generator.device.type == "cpu" and probs.device.type != "cpu":
         e = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator).to(probs.device)
     else:
         e = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
@@ -106,6 +113,8 @@ def verify(
     generator: torch.Generator | None = None,
     greedy: bool = False,
     lengths: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify g drafts per row.
 
@@ -113,7 +122,9 @@ def verify(
     sampled from; ignored and may be None when greedy); target_probs [B, g + 1, V] (row k: the
     target's processed distribution of position k + 1; with greedy anything whose argmax is the
     target's choice, e.g. logits).  lengths (optional) int64 [B] in [0, g]: verify only the first
-    lengths[b] drafts of row b.
+    lengths[b] drafts of row b.  uniforms float32 [B, g] in [0, 1) and noise float32 [B, V]
+    (Exp(1)), optional: the acceptance uniforms and the extra token's race noise drawn beforehand
+    (from the acceptance stream, e.g. outside a CUDA graph); `generator` is then not used.
 
     Returns (num_accepted int64 [B], tokens int64 [B, g + 1]): the accepted drafts followed by the
     one extra token (residual sample, bonus sample or greedy correction), -1 after it.
@@ -148,7 +159,12 @@ def verify(
         q = draft_probs.to(device=dev, dtype=torch.float32)
         px = p[:, :g].gather(-1, d.unsqueeze(-1)).squeeze(-1)  # [B, g]
         qx = q.gather(-1, d.unsqueeze(-1)).squeeze(-1)
-        u = _uniform((B, g), dev, generator)
+        if uniforms is not None:
+            if uniforms.shape != (B, g):
+                raise ValueError(f"uniforms must have shape [B, g] = [{B}, {g}], got {tuple(uniforms.shape)}")
+            u = uniforms.to(device=dev, dtype=torch.float32)
+        else:
+            u = _uniform((B, g), dev, generator)
         acc = u * qx < px
         if in_budget is not None:
             acc = acc & in_budget
@@ -165,7 +181,7 @@ def verify(
         mass = res.sum(dim=-1, keepdim=True)
         # p == q exactly (rejection then has probability 0): fall back to p, as DeepSpec does
         res = torch.where(mass > 1e-8, res, p_n)
-        extra = sample_probs(res, generator)
+        extra = sample_probs(res, generator, noise=noise)
     tokens = torch.where(ks.unsqueeze(0) < n.unsqueeze(1), d, torch.full_like(d, -1))
     tokens = torch.cat([tokens, d.new_full((B, 1), -1)], dim=1)
     tokens.scatter_(1, n.unsqueeze(1), extra.unsqueeze(1))
