@@ -57,13 +57,13 @@ PRESETS = {
                              index_block_size=16, index_topk_blocks=4),
                  drafter="tiny", vocab=512, context=128, tok_files=150, train_tokens=300_000, val_tokens=60_000,
                  target_batch=8, target_epochs=50.0, target_lr=3e-3, drafter_batch=4, anchors=16, drafter_lr=2e-3,
-                 pool_rows=16, pool_share=0.5, pool_prompt=32, pool_batch=16, prompts=8, prompt_len=32, new_tokens=32, speed_new=24,
+                 pool_rows=16, pool_share=0.5, pool_prompt=32, pool_batch=16, prompts=8, prompt_len=32, new_tokens=32,
                  reserve_s=150.0, budget_s=300.0),
     # H200: the "small" target (hidden 512, 8 layers, 16 experts top-4 + 1 shared), a 2-layer drafter
     "gpu": dict(target=dict(preset="small"), drafter="small", vocab=4096, context=512, tok_files=600,
                 train_tokens=12_000_000, val_tokens=400_000, target_batch=32, target_epochs=4.0, target_lr=2e-3, drafter_batch=16,
                 anchors=64, drafter_lr=1.5e-3, pool_rows=4096, pool_share=0.6, pool_prompt=128, pool_batch=512, prompts=32,
-                prompt_len=128, new_tokens=128, speed_new=160, reserve_s=110.0, budget_s=400.0),
+                prompt_len=128, new_tokens=128, reserve_s=110.0, budget_s=400.0),
 }
 
 
@@ -264,13 +264,16 @@ def acceptance(target, drafter, prompts, p, dev, *, temperature: float, budget: 
 @torch.no_grad()
 def speed(target, drafter, prompts, p, dev, *, batch: int, temperature: float, reps: int) -> dict:
     """Tokens/s of plain decoding (`model.generate`: paged KV cache, CUDA-graphed step; and the
-    speculative engine's own plain loop) and of speculative decoding, steady state: each method
-    generates n and 2n tokens from the same prompt and seed, tok/s = B n / (t(2n) - t(n)), which
-    cancels the prefill and the one-time CUDA-graph captures of a call (an engine captures once,
-    not per request); the median over `reps` prompts.  End-to-end tok/s of the 2n-token call
-    (prefill and captures included) are reported too."""
-    n = p["speed_new"]
-    res = {"batch": batch, "temperature": temperature, "new_tokens": [n, 2 * n], "reps": reps}
+    speculative engine's own plain loop) and of speculative decoding, over whole generations:
+    each method generates m = 2 and n tokens from the same prompt and seed, decode tok/s =
+    B (n - m) / (t(n) - t(m)), which removes the prefill and the one-time CUDA-graph captures of
+    a call (an engine captures once, not per request) but keeps every round of the generation;
+    summed over `reps` batches of held-out prompts (the acceptance phase's prompts and n).
+    End-to-end tok/s of the n-token calls (prefill and captures included) are reported too.
+    (Run 15 timed t(2n) - t(n), the second half of 2n-token generations only: greedy text of a
+    small target loops there, so its accepted length, 6.7, was not the generation's, 2.5.)"""
+    n, m = p["new_tokens"], 2
+    res = {"batch": batch, "temperature": temperature, "new_tokens": n, "fixed_cost_tokens": m, "reps": reps}
     gen = lambda r: torch.Generator(device=dev).manual_seed(r)  # noqa: E731  (no per-token host copies)
 
     def timed(fn) -> float:
@@ -280,19 +283,20 @@ def speed(target, drafter, prompts, p, dev, *, batch: int, temperature: float, r
         sync(dev)
         return time.perf_counter() - t0
 
-    acc = []
+    stats = []
 
-    def spec(pr, m, r):
-        _, st = speculative_generate(target, drafter, pr, m, temperature=temperature, generator=gen(r), return_stats=True)
-        acc.append(st.accepted_length)
+    def spec(pr, k, r):
+        _, st = speculative_generate(target, drafter, pr, k, temperature=temperature, generator=gen(r), return_stats=True)
+        if k == n:
+            stats.append(st)
 
     methods = {
-        "plain": lambda pr, m, r: target.generate(pr, m, temperature=temperature, generator=gen(r)),
-        "plain_engine": lambda pr, m, r: autoregressive_generate(target, pr, m, temperature=temperature, generator=gen(r)),
+        "plain": lambda pr, k, r: target.generate(pr, k, temperature=temperature, generator=gen(r)),
+        "plain_engine": lambda pr, k, r: autoregressive_generate(target, pr, k, temperature=temperature, generator=gen(r)),
         "spec": spec,
     }
-    steady: dict = {k: [] for k in methods}
-    e2e: dict = {k: [] for k in methods}
+    dt = {k: 0.0 for k in methods}
+    tn = {k: 0.0 for k in methods}
     for r in range(reps):
         pr = prompts[(r * batch) % prompts.shape[0]:][:batch]
         if pr.shape[0] < batch:
@@ -301,24 +305,81 @@ def speed(target, drafter, prompts, p, dev, *, batch: int, temperature: float, r
         for name, fn in methods.items():
             if r == 0:
                 fn(pr, 8, r)  # warm-up (allocator, kernels)
-            t1 = timed(lambda: fn(pr, n, r))
-            t2 = timed(lambda: fn(pr, 2 * n, r))
-            steady[name].append(batch * n / max(t2 - t1, 1e-9))
-            e2e[name].append(batch * 2 * n / t2)
-    med = statistics.median
+            t_m = timed(lambda: fn(pr, m, r))
+            t_n = timed(lambda: fn(pr, n, r))
+            dt[name] += t_n - t_m
+            tn[name] += t_n
     for name in methods:
-        res[f"{name}_tok_s"] = med(steady[name])
-        res[f"{name}_tok_s_e2e"] = med(e2e[name])
-        res[f"{name}_tok_s_all"] = [round(x, 1) for x in steady[name]]
-    res["accepted_length"] = sum(acc) / len(acc)
+        # (a non-positive difference -- possible only on a noisy CPU run -- is reported as NaN)
+        res[f"{name}_tok_s"] = reps * batch * (n - m) / dt[name] if dt[name] > 0 else float("nan")
+        res[f"{name}_tok_s_e2e"] = reps * batch * n / tn[name]
+    res["accepted_length"] = sum(st.tokens for st in stats) / sum(st.row_rounds for st in stats)
     res["plain_cache"] = "auto (paged + CUDA graph on CUDA)"
     res["speedup_vs_generate"] = res["spec_tok_s"] / res["plain_tok_s"]
     res["speedup_vs_same_engine"] = res["spec_tok_s"] / res["plain_engine_tok_s"]
     res["speedup_vs_generate_e2e"] = res["spec_tok_s_e2e"] / res["plain_tok_s_e2e"]
+    res["ms_per_plain_token"] = 1e3 * batch / res["plain_tok_s"]
+    res["ms_per_spec_round"] = 1e3 * batch * res["accepted_length"] / res["spec_tok_s"]
     log(f"  speed B={batch} T={temperature}: plain {res['plain_tok_s']:.1f} tok/s (engine "
         f"{res['plain_engine_tok_s']:.1f}), spec {res['spec_tok_s']:.1f} tok/s -> {res['speedup_vs_generate']:.2f}x "
-        f"(end to end {res['speedup_vs_generate_e2e']:.2f}x; accepted length {res['accepted_length']:.2f})")
+        f"(end to end {res['speedup_vs_generate_e2e']:.2f}x; accepted length {res['accepted_length']:.2f}; "
+        f"round {res['ms_per_spec_round']:.2f} ms vs plain token {res['ms_per_plain_token']:.2f} ms)")
     return res
+
+
+@torch.no_grad()
+def round_breakdown(target, drafter, prompt: torch.Tensor, dev, reps: int = 30) -> dict:
+    """Wall ms per call (CUDA-graph replays, launch included, synced) of the parts of a round at
+    this batch: the drafter block with greedy drafts, the engine's target forward over w = 1 and
+    w = g + 1 positions, the whole fused greedy round (replayed without advancing), and
+    `model.generate`'s paged decode step over 1 and g + 1 new tokens."""
+    from msakit.generate import PagedDecoder
+    from msakit.spec.generate import _StaticRounds
+
+    B, T = prompt.shape
+    g = drafter.config.block_size
+    taps = drafter.config.target_layer_ids
+    drafter.bind(target)
+
+    def prefilled():
+        cache = SpecCache(target.config.num_hidden_layers, drafter.config.num_hidden_layers, B, T + 4 * (g + 2), dev)
+        _, tap = target_forward(target, cache, prompt, taps)
+        draft_context_update(drafter, cache, tap)
+        cache.set_lengths(torch.full((B,), T, device=dev), [T] * B)
+        return cache
+
+    def per_call(fn) -> float:
+        fn()
+        fn()
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(dev)
+        return 1e3 * (time.perf_counter() - t0) / reps
+
+    kw = dict(temperature=0.0, top_k=None, top_p=None, num_drafts=g)
+    rounds = _StaticRounds(target, drafter, prefilled(), taps, g, True, dict(kw, want_confidence=False))
+    anchor = prompt[:, -1]
+    drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
+    out = {"batch": B, "context": T,
+           "drafter_block_ms": per_call(lambda: rounds.draft(anchor)),
+           "target_w1_ms": per_call(lambda: rounds.verify_forward(drafts[:, :0])),
+           f"target_w{g + 1}_ms": per_call(lambda: rounds.verify_forward(drafts))}
+    fused = _StaticRounds(target, drafter, prefilled(), taps, g, True, None)
+    fused.fused_setup(kw, target.lm_head.weight.shape[0])
+    fused.lengths.fill_(T)
+    fused.tokens[:, 0].copy_(anchor)
+    out["fused_round_ms"] = per_call(lambda: fused.run("round", fused._round))
+    for nq in (1, g + 1):
+        dec = PagedDecoder(target, B, T + (reps + 4) * nq + 8, cuda_graph=True)
+        dec.prefill(prompt)
+        new = prompt[:, -nq:]
+        out[f"paged_step_nq{nq}_ms"] = per_call(lambda: dec.step(new))
+    out["graphs_disabled"] = [x for x in (rounds.run.disabled_reason, fused.run.disabled_reason) if x]
+    log(f"  round breakdown (B={B}, {T}-token context): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in out.items() if k.endswith("_ms")))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +397,10 @@ def main() -> None:
     ap.add_argument("--target-s", type=float, default=None,
                     help="seconds of target training (default: half of what the budget leaves)")
     ap.add_argument("--pool-rows", type=int, default=None, help="rows of the regeneration pool")
+    ap.add_argument("--drafter-s", type=float, default=None,
+                    help="seconds of DSpark training (default: half of what the budget leaves)")
+    ap.add_argument("--no-ablation", action="store_true",
+                    help="skip the drafter without the Markov head (its time goes to DSpark; no Markov bar)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     p = dict(PRESETS["tiny" if args.tiny else "gpu"])
@@ -385,12 +450,15 @@ def main() -> None:
                                      temperatures=[1.0, 0.0], seconds=round(time.time() - t_pool, 1))
         log(f"regeneration pool: {payload['regen_pool']}")
     left = budget - (time.time() - T0) - p["reserve_s"]
-    # DSpark for half the remaining time, then the ablation (no Markov head) for the same number of steps
+    # DSpark for half the remaining time (all of it with --no-ablation), then the ablation (no
+    # Markov head) for the same number of steps
     drafters, dinfo = {}, {}
+    d_s = args.drafter_s if args.drafter_s is not None else (left if args.no_ablation else 0.5 * left)
     drafters["dspark"], dinfo["dspark"] = train_drafter(p, target, True, drafter_rows, val_rows, dev,
-                                                        max(10.0, 0.5 * left), work)
-    drafters["no_markov"], dinfo["no_markov"] = train_drafter(p, target, False, drafter_rows, val_rows, dev, None,
-                                                              work, steps=dinfo["dspark"]["steps"])
+                                                        max(10.0, d_s), work)
+    if not args.no_ablation:
+        drafters["no_markov"], dinfo["no_markov"] = train_drafter(p, target, False, drafter_rows, val_rows, dev,
+                                                                  None, work, steps=dinfo["dspark"]["steps"])
     payload["drafters"] = dinfo
 
     # decode in bf16 on the GPU (both paths), the target in its MSA mode
@@ -429,22 +497,25 @@ def main() -> None:
     save_json(out_name, dict(payload, partial=True))  # in case the speed phase runs out of time
 
     speed_rows = []
-    reps = 3 if dev.type == "cuda" else 1
     for B in (1, 8):
-        for temp in (0.0, 1.0):
-            speed_rows.append(speed(target, drafters["dspark"], prompts, p, dev, batch=B, temperature=temp,
-                                    reps=reps if B == 1 else max(1, reps - 1)))
+        for temp in (0.0, 1.0):  # B = 1: 8 prompts (CPU: 2); B = 8: 16 prompts in two batches
+            reps = (8 if dev.type == "cuda" else 2) if B == 1 else 2
+            speed_rows.append(speed(target, drafters["dspark"], prompts, p, dev, batch=B, temperature=temp, reps=reps))
             payload["speed"] = speed_rows
             save_json(out_name, dict(payload, partial=True))
+    if dev.type == "cuda":  # where a round's time goes (CUDA graphs)
+        payload["round_breakdown"] = [round_breakdown(target, drafters["dspark"], prompts[:B].to(dev), dev)
+                                      for B in (1, 8)]
 
     def acc_of(name, temp, bud="off"):
         return next(r["accepted_length"] for r in acc_rows
                     if r["drafter"] == name and r["temperature"] == temp and r["confidence_budget"] == bud)
 
     b1 = [r for r in speed_rows if r["batch"] == 1]
-    payload["bars"] = {
+    payload["bars"] = {} if args.no_ablation else {
         "markov_raises_accepted_length_t1": acc_of("dspark", 1.0) > acc_of("no_markov", 1.0),
-        "markov_gain_t1": acc_of("dspark", 1.0) / acc_of("no_markov", 1.0),
+        "markov_gain_t1": acc_of("dspark", 1.0) / acc_of("no_markov", 1.0)}
+    payload["bars"] |= {
         "speedup_b1_t0": next(r["speedup_vs_generate"] for r in b1 if r["temperature"] == 0.0),
         "speedup_b1_t1": next(r["speedup_vs_generate"] for r in b1 if r["temperature"] == 1.0),
     }
