@@ -383,6 +383,38 @@ def test_trainer_learns_logs_and_resumes(tmp_path) -> None:
     assert [round(r["loss"], 5) for r in recs2] == [round(r["loss"], 5) for r in recs[20:]]
 
 
+def test_fit_to_time_keeps_the_configured_steps(tmp_path, monkeypatch) -> None:
+    """fit(max_seconds): the step count is fitted to the time (after 10 and 50 steps) but never
+    past cfg.steps; a slow pace shortens the run and the LR schedule with it."""
+    import msakit.spec.train as st
+
+    target = tiny_target()
+    rows = _rows(target)
+    cfg = DrafterTrainConfig(steps=60, batch_size=2, anchors=4, log_every=100, eval_every=100, eval_rows=0,
+                             save_every=1000, keep_checkpoints=0)
+    tr = DrafterTrainer(target, tiny_drafter(target), cfg, rows, None, out_dir=tmp_path / "a", device="cpu",
+                        progress=False)
+    tr.fit(max_seconds=1e6)
+    assert tr.step == 60 and cfg.steps == 60
+    clock = {"t": 0.0}
+    monkeypatch.setattr(st.time, "time", lambda: clock["t"])
+    cfg2 = DrafterTrainConfig(steps=1000, batch_size=2, anchors=4, log_every=1000, eval_every=1000, eval_rows=0,
+                              save_every=10**6, keep_checkpoints=0)
+    tr2 = DrafterTrainer(target, tiny_drafter(target), cfg2, rows, None, out_dir=tmp_path / "b", device="cpu",
+                         progress=False)
+    step = tr2.train_step
+
+    def slow_step():  # 1 s per step (3 s for each of the first ten: "compilation")
+        clock["t"] += 3.0 if tr2.step < 10 else 1.0
+        return step()
+
+    tr2.train_step = slow_step
+    tr2.fit(max_seconds=100)
+    # after 10 steps (30 s): 3 s per step -> 33, provisionally 51; after 50 (70 s): 1 s per step
+    # over steps 10-50 -> 50 + 30 = 80
+    assert tr2.step == cfg2.steps == 80
+
+
 def test_regeneration_pool_and_mix() -> None:
     from msakit.spec.train import mix_streams, regenerate_pool
 

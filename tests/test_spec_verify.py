@@ -215,6 +215,40 @@ def test_verify_errors_and_dtypes() -> None:
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_predrawn_randomness() -> None:
+    """uniforms / noise drawn beforehand (as the CUDA-graph round does) in the order verify draws
+    them give the same result as the generator; shapes are checked; the rule stays lossless."""
+    gen = torch.Generator().manual_seed(3)
+    B, g, V = 64, 4, 11
+    p = torch.rand(B, g + 1, V, generator=gen).softmax(-1)
+    q = torch.rand(B, g, V, generator=gen).softmax(-1)
+    d = torch.multinomial(q.reshape(-1, V), 1, generator=gen).view(B, g)
+    a = verify(d, q, p, generator=torch.Generator().manual_seed(7))
+    g2 = torch.Generator().manual_seed(7)
+    u = torch.rand((B, g), generator=g2)
+    e = torch.empty(B, V).exponential_(generator=g2)
+    b = verify(d, q, p, uniforms=u, noise=e)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="uniforms must have shape"):
+        verify(d, q, p, uniforms=u[:, :2], noise=e)
+    with pytest.raises(ValueError, match="noise must have the shape"):
+        verify(d, q, p, uniforms=u, noise=e[:, :3])
+    pr = torch.tensor([0.5, 0.0, 0.2, 0.3])
+    noise = torch.empty(N, 4).exponential_(generator=torch.Generator().manual_seed(2))
+    draws = sample_probs(pr.expand(N, 4), noise=noise)
+    assert chi2_pvalue(torch.bincount(draws, minlength=4), pr) > ALPHA
+
+    def rule(d_, q_, p_, *, generator):
+        n_ = d_.shape[0]
+        uu = torch.rand((n_, d_.shape[1]), generator=generator)
+        ee = torch.empty(n_, p_.shape[-1]).exponential_(generator=generator)
+        return verify(d_, q_, p_, uniforms=uu, noise=ee)
+
+    gen = torch.Generator().manual_seed(11)
+    pv = check_positions(random_dist(4, 9, gen), random_dist(3, 9, gen), rule=rule)
+    assert min(pv) > ALPHA
+
+
 def test_sampling_probs_matches_sample_next() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=gen) * 3

@@ -30,30 +30,30 @@ at the first drop of expected tokens per unit of verify cost); the choice never 
 drafts it cuts, so the output distribution stays exact.  The target forward then covers only the
 longest chosen prefix + 1 (one extra host sync per round).
 
-Host syncs: one per round (the accepted counts and tokens, for termination and the output), plus
-one with the confidence budget.  Nothing per token.
+Rounds without the confidence budget (`_fused_rounds`): one fixed-shape function per round,
+`_StaticRounds.round` -- (a) the drafter block `draft_hidden(drafter, cache, anchor, lengths)`
+(the context is all max_len positions with the window / length mask) and the drafts
+(`propose`; sampling from race noise drawn beforehand), (b) the verify forward `target_step`:
+[anchor, x_1 .. x_g] at positions lengths + i, keys written, attention over all max_len
+positions masked by position (MSA: block selection over all blocks, blocks past the query
+masked), logits, the tap states' context keys for the drafter (`draft_context_update`), (c)
+`verify` (acceptance uniforms and the extra token's noise drawn beforehand), (d) the next
+round's lengths and anchor.  It reads only static device buffers (`lengths`, `tokens`,
+`active`, the noise buffers and the `SpecCache` buffers, preallocated at the prefill) and writes
+`next_*` and `result`, so on CUDA it is one CUDA graph captured at its first use (warm-up on a
+side stream under torch.cuda.set_sync_debug_mode("error"), capture, replay) and replayed; any
+failure -> eager rounds with a one-time warning.  The randomness is drawn outside the graph from
+the two streams (`exponential_` / `uniform_` into the static buffers), so graph and eager give
+the same output.  The rounds are pipelined one round deep: round r + 1 is queued before round
+r's [n, tokens] are read back (pinned buffer + event), so the host bookkeeping never idles the
+GPU; the last queued round is discarded.  Host syncs: none beyond that readback.
 
-Fixed shapes / CUDA graph (`cuda_graph=None`: on for CUDA unless False; CPU always eager): the
-rounds run `_StaticRounds`, whose two steps read only static device buffers -- `lengths` int64
-[B] (the cache lengths at the round's start, copied device to device from `cache.lengths`) and
-`tokens` int64 [B, g + 1] ([anchor, drafts]) -- and the `SpecCache` buffers, preallocated to
-max_len at the prefill (fixed addresses):
-(a) the drafter block, `draft_hidden(drafter, cache, anchor, lengths)`: the context is all
-    max_len positions with the window / length mask (no `[:, :max(host lengths)]` slice); with
-    temperature 0 also `propose` (argmaxes through the Markov head, the confidence head);
-(b) the verify forward, `target_step`: [anchor, x_1 .. x_w-1] at positions lengths + i, keys
-    written, attention over all max_len positions masked by position (MSA: block selection over
-    all max_len / block_size blocks, blocks past the query masked), logits; then the tap states'
-    context keys for the drafter (`draft_context_update`, fused in).
-Nothing in them depends on a host length, so each is a CUDA graph captured at its first use
-(warm-up on a side stream under torch.cuda.set_sync_debug_mode("error"), capture, replay; one
-drafter graph per run and one target graph per verify width: w = g + 1, or each width the
-confidence budget picks) and replayed afterwards; any failure -> eager rounds with a one-time
-warning.  Eager rounds (cuda_graph=False, CPU, fallback) run the same fixed-shape code, so graph
-and eager give the same output.  Outside the graphs: the prefill (`target_forward`, chunks of
-growing length), sampling (the drafter's draws with a generator, `sampling_probs`), `verify`, the
-confidence-budget scheduler, the per-round host sync and the length / output bookkeeping.
-`autoregressive_generate` runs its per-token forward through `target_step` the same way.
+With the confidence budget (`_budget_rounds`): the drafter block (a graph; greedy: with the
+argmax drafts and confidences), the scheduler's verify lengths (a host sync: the verify width),
+the target forward over that width (one graph per width), `verify`, the bookkeeping.
+
+Outside the graphs: the prefill (`target_forward`, chunks of growing length) and its first
+token.  `autoregressive_generate` runs its per-token forward through `target_step` the same way.
 """
 
 from __future__ import annotations
@@ -342,8 +342,9 @@ class _StaticRounds:
     int64 [B] (the cache lengths at the round's start) and `tokens` int64 [B, g + 1] ([anchor,
     drafts]); the drafter block and the target verify forward read only these and the
     preallocated `SpecCache` buffers (`draft_hidden(..., lengths)`, `target_step`), so their
-    shapes and addresses never change and they can be CUDA graphs (one drafter graph, one target
-    graph per verify width)."""
+    shapes and addresses never change and they can be CUDA graphs: the whole round (`round`,
+    after `fused_setup`), or, with the confidence budget, one drafter graph (`draft`) and one
+    target graph per verify width (`verify_forward`)."""
 
     def __init__(self, target, drafter: DSparkDrafter, cache: SpecCache, taps: Sequence[int], g: int,
                  use_graph: bool, propose_kw: dict[str, Any] | None) -> None:

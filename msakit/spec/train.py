@@ -458,8 +458,9 @@ class DrafterTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self, until: int | None = None, max_seconds: float | None = None) -> list[dict]:
         """Train up to step `until` (default cfg.steps).  With max_seconds, the step count (and
-        with it the LR schedule) is fitted to the time after 10 steps and again after 50, from the
-        pace of steps 10-50 (the first steps include kernel compilation and autotuning)."""
+        with it the LR schedule) is fitted to the time after 10 steps (provisionally: at least 51
+        steps) and again after 50, from the pace of steps 10-50 (the first steps include kernel
+        compilation and autotuning)."""
         cfg = self.cfg
         end = cfg.steps if until is None else min(until, cfg.steps)
         cap = end  # the time fit never goes past the configured steps
@@ -479,6 +480,8 @@ class DrafterTrainer:
                     else:
                         per = (now - t_ten) / 40
                     fit_steps = self.step + int(max(0.0, max_seconds - (now - t_start)) / max(per, 1e-6))
+                    if done_steps == 10:  # a provisional fit: always reach the second one
+                        fit_steps = max(fit_steps, start_step + 51)
                     new_end = max(self.step, min(cap, fit_steps))
                     if new_end != end:
                         cfg.steps = end = new_end
