@@ -76,6 +76,15 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def timed(dev: torch.device, fn) -> float:
+    """Wall seconds of one fn() between two device syncs (host work included; CPU too)."""
+    sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------------------------------------
 # data and models
 # ---------------------------------------------------------------------------------------------
@@ -201,32 +210,36 @@ def train_drafter(p: dict, target, markov: bool, train_rows, val_rows, dev, seco
 # ---------------------------------------------------------------------------------------------
 
 
+def prefilled_cache(target, drafter, prompt: torch.Tensor, dev) -> SpecCache:
+    """A speculative cache after the prompt [B, T] (target keys, the drafter's context), with
+    room for a few rounds past it."""
+    B, T = prompt.shape
+    drafter.bind(target)
+    cache = SpecCache(target.config.num_hidden_layers, drafter.config.num_hidden_layers, B,
+                      T + 4 * (drafter.config.block_size + 2), dev)
+    _, tap = target_forward(target, cache, prompt, drafter.config.target_layer_ids)
+    draft_context_update(drafter, cache, tap)
+    cache.set_lengths(torch.full((B,), T, device=dev), [T] * B)
+    return cache
+
+
 @torch.no_grad()
 def profile_round_cost(target, drafter, prompts: torch.Tensor, dev, reps: int = 5) -> tuple[float, float]:
     """(fixed, per verified position) seconds of a speculative round at this batch size: the
     drafter block + a target forward over B * w positions, timed at w = 1 and w = g + 1."""
     B = prompts.shape[0]
     g = drafter.config.block_size
-    drafter.bind(target)
-    cache = SpecCache(target.config.num_hidden_layers, drafter.config.num_hidden_layers, B,
-                      prompts.shape[1] + 4 * (g + 2), dev)
-    _, tap = target_forward(target, cache, prompts, drafter.config.target_layer_ids)
-    draft_context_update(drafter, cache, tap)
-    T = prompts.shape[1]
-    cache.set_lengths(torch.full((B,), T, device=dev), [T] * B)
+    cache = prefilled_cache(target, drafter, prompts, dev)
     anchor = prompts[:, -1]
 
+    def one_round(w: int) -> None:
+        h = draft_hidden(drafter, cache, anchor)
+        prop = drafter.propose(h, anchor, temperature=1.0)
+        target_forward(target, cache, torch.cat([anchor.view(B, 1), prop.tokens[:, : w - 1]], 1),
+                       drafter.config.target_layer_ids)
+
     def run(w: int) -> float:
-        times = []
-        for _ in range(reps):
-            sync(dev)
-            t0 = time.perf_counter()
-            h = draft_hidden(drafter, cache, anchor)
-            prop = drafter.propose(h, anchor, temperature=1.0)
-            target_forward(target, cache, torch.cat([anchor.view(B, 1), prop.tokens[:, : w - 1]], 1),
-                           drafter.config.target_layer_ids)
-            sync(dev)
-            times.append(time.perf_counter() - t0)
+        times = [timed(dev, lambda: one_round(w)) for _ in range(reps)]
         times.sort()
         return times[len(times) // 2]
 
@@ -276,13 +289,6 @@ def speed(target, drafter, prompts, p, dev, *, batch: int, temperature: float, r
     res = {"batch": batch, "temperature": temperature, "new_tokens": n, "fixed_cost_tokens": m, "reps": reps}
     gen = lambda r: torch.Generator(device=dev).manual_seed(r)  # noqa: E731  (no per-token host copies)
 
-    def timed(fn) -> float:
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        return time.perf_counter() - t0
-
     stats = []
 
     def spec(pr, k, r):
@@ -306,8 +312,8 @@ def speed(target, drafter, prompts, p, dev, *, batch: int, temperature: float, r
             if r == 0:  # warm-up at both lengths: kernels, cuDNN plans and autotuning per shape (the
                 fn(pr, m, r)  # cache length depends on the request), kept out of the timed calls; run 16
                 fn(pr, n, r)  # warmed up another length only and its t(n) - t(m) came out too small
-            t_m = timed(lambda: fn(pr, m, r))
-            t_n = timed(lambda: fn(pr, n, r))
+            t_m = timed(dev, lambda: fn(pr, m, r))
+            t_n = timed(dev, lambda: fn(pr, n, r))
             dt[name] += t_n - t_m
             tn[name] += t_n
     for name in methods:
@@ -340,14 +346,6 @@ def round_breakdown(target, drafter, prompt: torch.Tensor, dev, reps: int = 30) 
     B, T = prompt.shape
     g = drafter.config.block_size
     taps = drafter.config.target_layer_ids
-    drafter.bind(target)
-
-    def prefilled():
-        cache = SpecCache(target.config.num_hidden_layers, drafter.config.num_hidden_layers, B, T + 4 * (g + 2), dev)
-        _, tap = target_forward(target, cache, prompt, taps)
-        draft_context_update(drafter, cache, tap)
-        cache.set_lengths(torch.full((B,), T, device=dev), [T] * B)
-        return cache
 
     def per_call(fn) -> float:
         fn()
@@ -360,17 +358,16 @@ def round_breakdown(target, drafter, prompt: torch.Tensor, dev, reps: int = 30) 
         return 1e3 * (time.perf_counter() - t0) / reps
 
     kw = dict(temperature=0.0, top_k=None, top_p=None, num_drafts=g)
-    rounds = _StaticRounds(target, drafter, prefilled(), taps, g, True, dict(kw, want_confidence=False))
+    rounds = _StaticRounds(target, drafter, prefilled_cache(target, drafter, prompt, dev), taps, g, True,
+                           dict(kw, want_confidence=False))
     anchor = prompt[:, -1]
     drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
     out = {"batch": B, "context": T,
            "drafter_block_ms": per_call(lambda: rounds.draft(anchor)),
            "target_w1_ms": per_call(lambda: rounds.verify_forward(drafts[:, :0])),
            f"target_w{g + 1}_ms": per_call(lambda: rounds.verify_forward(drafts))}
-    fused = _StaticRounds(target, drafter, prefilled(), taps, g, True, None)
-    fused.fused_setup(kw, target.lm_head.weight.shape[0])
-    fused.lengths.fill_(T)
-    fused.tokens[:, 0].copy_(anchor)
+    fused = _StaticRounds(target, drafter, prefilled_cache(target, drafter, prompt, dev), taps, g, True, None)
+    fused.fused_setup(kw, lambda logits: logits.float(), anchor, [True] * B)
     out["fused_round_ms"] = per_call(lambda: fused.run("round", fused._round))
     for nq in (1, g + 1):
         dec = PagedDecoder(target, B, T + (reps + 4) * nq + 8, cuda_graph=True)

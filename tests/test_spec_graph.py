@@ -39,6 +39,14 @@ def _clone(cache: SpecCache) -> SpecCache:
     return c
 
 
+def _assert_sampled_graph_equals_eager(t, d, prompt, g: torch.Generator) -> None:
+    """Sampled speculative output (T 1; T 0.8 with top-p 0.9) is the same with cuda_graph False / True."""
+    for seed, kw in ((5, dict(temperature=1.0)), (6, dict(temperature=0.8, top_p=0.9))):
+        s1 = speculative_generate(t, d, prompt, 12, generator=g.manual_seed(seed), cuda_graph=False, **kw)
+        s2 = speculative_generate(t, d, prompt, 12, generator=g.manual_seed(seed), cuda_graph=True, **kw)
+        assert torch.equal(s1, s2), kw
+
+
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 def test_static_step_equals_length_sliced_path(mode: str) -> None:
     t, d = bigram_pair(mode)
@@ -79,13 +87,7 @@ def test_greedy_unchanged_with_cuda_graph_flag(mode: str) -> None:
         for kw in [{}, {"confidence_budget": True, "budget_cost": (1.0, 0.3)}]:
             assert torch.equal(speculative_generate(t, d, prompt, 30, temperature=0, cuda_graph=cg, **kw), ref)
         assert torch.equal(autoregressive_generate(t, prompt, 30, temperature=0, cuda_graph=cg), ref)
-    g = torch.Generator().manual_seed(5)
-    s1 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cuda_graph=False)
-    s2 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cuda_graph=True)
-    assert torch.equal(s1, s2)
-    s1 = speculative_generate(t, d, prompt, 12, temperature=0.8, top_p=0.9, generator=g.manual_seed(6), cuda_graph=False)
-    s2 = speculative_generate(t, d, prompt, 12, temperature=0.8, top_p=0.9, generator=g.manual_seed(6), cuda_graph=True)
-    assert torch.equal(s1, s2)
+    _assert_sampled_graph_equals_eager(t, d, prompt, torch.Generator())
     with pytest.raises(ValueError):
         speculative_generate(t, d, prompt, 4, cuda_graph="yes")
     with pytest.raises(ValueError):
@@ -223,13 +225,7 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
         assert torch.equal(a, b), kw
     assert torch.equal(autoregressive_generate(t, prompt, 20, temperature=0, cuda_graph=False),
                        autoregressive_generate(t, prompt, 20, temperature=0, cuda_graph=True))
-    g = torch.Generator(device="cuda")
-    s1 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cuda_graph=False)
-    s2 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cuda_graph=True)
-    assert torch.equal(s1, s2)
-    s1 = speculative_generate(t, d, prompt, 12, temperature=0.8, top_p=0.9, generator=g.manual_seed(6), cuda_graph=False)
-    s2 = speculative_generate(t, d, prompt, 12, temperature=0.8, top_p=0.9, generator=g.manual_seed(6), cuda_graph=True)
-    assert torch.equal(s1, s2)
+    _assert_sampled_graph_equals_eager(t, d, prompt, torch.Generator(device="cuda"))
     assert _graph_failures() == before
 
 

@@ -369,21 +369,28 @@ class _StaticRounds:
         prop = self.drafter.propose(h, anchor, **self.propose_kw)
         return (prop.tokens,) if prop.confidence is None else (prop.tokens, prop.confidence)
 
-    def fused_setup(self, sample_kw: dict[str, Any], vocab: int) -> None:
-        """Buffers of the fused round: `active` bool [B], the next round's state (`next_lengths`,
-        `next_anchor`), `result` int64 [B, g + 2] ([n, tokens]); sampling: the round's Exp(1)
-        race noise of the drafts [B, g, V] and of the extra token [B, V], acceptance uniforms [B, g]."""
+    def fused_setup(self, sample_kw: dict[str, Any], process: Callable[[torch.Tensor], torch.Tensor],
+                    anchor: torch.Tensor, active: Sequence[bool]) -> None:
+        """The fused round's state and buffers: the round starts at the cache's lengths with
+        `anchor` [B]; `active` (per row) says which rows advance; `process` turns the target's
+        logits into what `verify` takes (greedy: the logits; sampling: `sampling_probs`).
+        Buffers: the next round's state (`next_lengths`, `next_anchor`), `result` int64 [B, g + 2]
+        ([n, tokens]); sampling: the round's Exp(1) race noise of the drafts [B, g, V] and of the
+        extra token [B, V], acceptance uniforms [B, g] (None when greedy)."""
         B, g, dev = self.tokens.shape[0], self.g, self.tokens.device
-        self.sample_kw = sample_kw
+        V = self.target.lm_head.weight.shape[0]
+        self.sample_kw, self.process = sample_kw, process
         self.greedy = sample_kw["temperature"] == 0
-        self.active = torch.ones(B, dtype=torch.bool, device=dev)
+        self.lengths.copy_(self.cache.lengths)
+        self.tokens[:, 0].copy_(anchor)
+        self.active = torch.tensor(list(active), dtype=torch.bool, device=dev)
         self.next_lengths = torch.zeros_like(self.lengths)
         self.next_anchor = torch.zeros(B, dtype=torch.long, device=dev)
         self.result = torch.zeros(B, g + 2, dtype=torch.long, device=dev)
-        if not self.greedy:
-            self.noise_draft = torch.ones(B, g, vocab, dtype=torch.float32, device=dev)
-            self.uniforms = torch.zeros(B, g, dtype=torch.float32, device=dev)
-            self.noise_extra = torch.ones(B, vocab, dtype=torch.float32, device=dev)
+        sampled = not self.greedy
+        self.noise_draft = torch.ones(B, g, V, dtype=torch.float32, device=dev) if sampled else None
+        self.uniforms = torch.zeros(B, g, dtype=torch.float32, device=dev) if sampled else None
+        self.noise_extra = torch.ones(B, V, dtype=torch.float32, device=dev) if sampled else None
 
     def round(self) -> torch.Tensor:
         """One whole round (one CUDA graph) -> result [B, g + 2] = [n, accepted drafts, extra token,
@@ -396,17 +403,13 @@ class _StaticRounds:
         return res
 
     def _round(self) -> tuple[torch.Tensor]:
-        kw = self.sample_kw
         anchor = self.tokens[:, 0]
         h = draft_hidden(self.drafter, self.cache, anchor, self.lengths)
-        prop = self.drafter.propose(h, anchor, noise=None if self.greedy else self.noise_draft, **kw)
+        prop = self.drafter.propose(h, anchor, noise=self.noise_draft, **self.sample_kw)
         self.tokens[:, 1:].copy_(prop.tokens)
         logits = target_step(self.target, self.cache, self.tokens, self.lengths, self.taps, self.drafter)
-        if self.greedy:
-            n, toks = verify(prop.tokens, None, logits, greedy=True)
-        else:
-            p = sampling_probs(logits, kw["temperature"], kw["top_k"], kw["top_p"])
-            n, toks = verify(prop.tokens, prop.probs, p, uniforms=self.uniforms, noise=self.noise_extra)
+        n, toks = verify(prop.tokens, prop.probs, self.process(logits), greedy=self.greedy, uniforms=self.uniforms,
+                         noise=self.noise_extra)
         self.next_lengths.copy_(self.lengths + torch.where(self.active, n + 1, torch.zeros_like(n)))
         extra = toks.gather(1, n.view(-1, 1)).squeeze(1)
         self.next_anchor.copy_(torch.where(self.active, extra, anchor))
@@ -482,8 +485,7 @@ class _Book:
             self.streamer(new_tokens)
 
 
-def _fused_rounds(rounds: "_StaticRounds", book: _Book, draft_gen: torch.Generator, accept_gen: torch.Generator,
-                  greedy: bool) -> None:
+def _fused_rounds(rounds: "_StaticRounds", book: _Book, draft_gen: torch.Generator, accept_gen: torch.Generator) -> None:
     """The rounds without a confidence budget: each is one `_StaticRounds.round` call (one CUDA
     graph: draft, verify forward, verification, next state), pipelined one round deep -- round
     r + 1 is queued before round r's results are read (one event wait per round, no stall of the
@@ -500,7 +502,7 @@ def _fused_rounds(rounds: "_StaticRounds", book: _Book, draft_gen: torch.Generat
     while True:
         if not all(book.done):
             slot = i % 2
-            if not greedy:  # the round's randomness, drawn from the two streams outside the graph
+            if not rounds.greedy:  # the round's randomness, drawn from the two streams outside the graph
                 rounds.noise_draft.exponential_(generator=draft_gen)
                 rounds.uniforms.uniform_(generator=accept_gen)
                 rounds.noise_extra.exponential_(generator=accept_gen)
@@ -708,12 +710,9 @@ def speculative_generate(
                            dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g, want_confidence=True))
         else:
             rounds = _StaticRounds(target, drafter, cache, taps, g, cuda_graph is not False, None)
-            rounds.fused_setup(dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g),
-                               target.lm_head.weight.shape[0])
-            rounds.lengths.copy_(cache.lengths)
-            rounds.tokens[:, 0].copy_(anchor)
-            rounds.active.copy_(torch.tensor(book.active(), dtype=torch.bool))
-            _fused_rounds(rounds, book, draft_gen, accept_gen, greedy)
+            rounds.fused_setup(dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g), process, anchor,
+                               book.active())
+            _fused_rounds(rounds, book, draft_gen, accept_gen)
         out = book.out
     finally:
         target.train(was_training[0])
