@@ -1,7 +1,14 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures; puts tests/ on sys.path so that every layer's tests import the shared
+helpers (`naive`, `toy_model`)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "speculative"))
 
 
 @pytest.fixture(scope="module")

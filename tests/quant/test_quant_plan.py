@@ -23,7 +23,7 @@ from msakit.quant import (
     validate_plan,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FLASH_COUNTS = {"nvfp4": 413_122_166_784, "mxfp8": 10_560_208_896, "bf16": 2_458_386_432, "fp32": 44_826_624}
 
 

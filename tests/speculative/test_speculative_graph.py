@@ -15,7 +15,7 @@ from msakit.spec import DSparkConfig, DSparkDrafter, autoregressive_generate, sp
 from msakit.spec.generate import (SpecCache, _StaticRounds, draft_context_update, draft_hidden, target_forward,
                                   target_step)
 
-from tests.test_spec_generate import bigram_pair
+from test_speculative_generate import bigram_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,7 @@ from msakit.models.io import INDEX_FILE, SINGLE_FILE, hf_state_items
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLASH, M3 = "minimax-m3.1-flash", "minimax-m3"
 
 

@@ -16,7 +16,7 @@ from msakit.models import M3Config, M3ForCausalLM
 from msakit.quant import convert, load_for_qat, load_quantized, prepare_qat, save_quantized
 from msakit.quant.linear import mxfp8_quantize_with_scales, nvfp4_quantize_with_scales, unpack_weight
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 L1 = "model.layers.1"
 EXP = f"{L1}.block_sparse_moe.experts"
 

@@ -17,7 +17,7 @@ from msakit import cost
 from msakit.cli import main
 from msakit.cost import ModelShape
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLASH = "minimax-m3.1-flash"
 M3 = "minimax-m3"
 N128K = 131_072
