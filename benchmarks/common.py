@@ -1,7 +1,8 @@
-"""Shared helpers of the GPU benchmark scripts: environment record, timing, dense baselines."""
+"""Shared helpers of the GPU benchmark scripts: environment record, timing, dense baselines, output."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -10,10 +11,50 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
+COMMIT_FILE = Path(__file__).resolve().parent / "COMMIT"
+# what a tree digest covers: the code a benchmark runs
+DIGEST_DIRS = ("msakit", "benchmarks", "tools")
+
+
+def tree_digest(root: Path = ROOT, dirs: tuple[str, ...] = DIGEST_DIRS) -> str:
+    """sha256 (16 hex digits) over the relative paths and bytes of every .py file under `dirs`:
+    names the code that ran when the commit cannot (a device copy of a working tree)."""
+    h = hashlib.sha256()
+    for d in dirs:
+        for p in sorted((root / d).rglob("*.py")):
+            if "__pycache__" in p.parts:
+                continue
+            h.update(str(p.relative_to(root)).encode() + b"\0")
+            h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def commit_info(commit_file: Path = COMMIT_FILE, override: str | None = None) -> dict:
+    """The commit of the code: `override`, else $MSAKIT_COMMIT (the GPU driver passes its own down),
+    else the first line of benchmarks/COMMIT, else `git rev-parse HEAD` -- which on a copied
+    working tree may name an older HEAD, so that source is marked unreliable.
+    Returns {"commit", "commit_source", "commit_reliable"}."""
+    if override:
+        return {"commit": override.strip(), "commit_source": "argument", "commit_reliable": True}
+    if os.environ.get("MSAKIT_COMMIT"):
+        return {"commit": os.environ["MSAKIT_COMMIT"], "commit_source": "MSAKIT_COMMIT", "commit_reliable": True}
+    if commit_file.is_file():
+        text = commit_file.read_text().strip().splitlines()
+        if text and text[0].strip():
+            return {"commit": text[0].strip(), "commit_source": str(commit_file.name), "commit_reliable": True}
+    try:
+        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        head = None
+    return {"commit": head, "commit_source": "git rev-parse (may be stale on a copied tree)" if head else None,
+            "commit_reliable": False}
 
 
 def env_info() -> dict:
+    """Date, GPU, torch / triton / CUDA versions, the commit (`commit_info`) and the tree digest."""
     info = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
@@ -26,13 +67,18 @@ def env_info() -> dict:
         info["triton"] = triton.__version__
     except Exception:
         info["triton"] = None
-    try:
-        info["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], text=True).strip()
-        info["dirty"] = bool(dirty)
-    except Exception:
-        info["commit"] = os.environ.get("MSAKIT_COMMIT")
+    info.update(commit_info())
+    info["tree_digest"] = tree_digest()
     return info
+
+
+def gpu_tag(info: dict | None = None) -> str:
+    """The device name as used in result file names ("NVIDIA_H200"; "cpu" without a GPU)."""
+    if info is not None:
+        name = info.get("gpu")
+    else:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return (name or "cpu").replace(" ", "_")
 
 
 def wall_s(fn, reps: int = 3) -> float:
@@ -50,12 +96,16 @@ def wall_s(fn, reps: int = 3) -> float:
 
 
 def bench_ms(fn, *, warmup: int = 2, rep: int = 10, max_s: float = 20.0) -> float:
-    """Median milliseconds of fn() with CUDA events; fewer repetitions when one call is slow."""
+    """Median milliseconds of fn() with CUDA events.  The first call is timed on the host; when
+    the planned calls would exceed `max_s`, fewer repetitions run, and a call longer than `max_s`
+    itself is not repeated (its first time is returned: one-time costs are small beside it)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    if first > max_s:
+        return first * 1e3
     if first * (warmup + rep) > max_s:
         rep = max(1, int(max_s / max(first, 1e-6)) - 1)
         warmup = 0 if rep <= 2 else 1
@@ -75,7 +125,7 @@ def bench_ms(fn, *, warmup: int = 2, rep: int = 10, max_s: float = 20.0) -> floa
 
 def dense_cudnn(q, k, v, *, backward: bool = False):
     """Causal attention through SDPA's cuDNN backend, K/V expanded to all query heads (the
-    baseline layout of ../shared/baselines).  q [1,T,Hq,D], k/v [1,T,G,D]."""
+    dense baseline).  q [1,T,Hq,D], k/v [1,T,G,D]; returns a closure that runs it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     Hq, G = q.shape[2], k.shape[2]
@@ -100,11 +150,41 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def save_json(name: str, payload: dict, out_dir: str | None = None) -> Path:
+def out_dir(explicit: str | None = None) -> Path | None:
+    """Where a script copies what it writes besides benchmarks/results/: --out, else $OUT."""
+    d = explicit or os.environ.get("OUT")
+    return Path(d) if d else None
+
+
+def save_json(name: str, payload: dict, out: str | os.PathLike | None = None) -> Path:
+    """Writes benchmarks/results/<name> and a copy into `out` (default $OUT) when set."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
     text = json.dumps(payload, indent=1, default=str)
     path.write_text(text)
-    if out_dir or os.environ.get("OUT"):
-        Path(out_dir or os.environ["OUT"], name).write_text(text)
+    extra = out_dir(str(out) if out else None)
+    if extra is not None:
+        extra.mkdir(parents=True, exist_ok=True)
+        (extra / name).write_text(text)
     return path
+
+
+def copy_out(path: Path, out: str | os.PathLike | None = None) -> None:
+    """Copies a written file (a plot, a profile table) into `out` (default $OUT) when set."""
+    import shutil
+
+    extra = out_dir(str(out) if out else None)
+    if extra is not None and Path(path).is_file():
+        extra.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, extra / Path(path).name)
+
+
+def print_rows(rows: list[dict], columns: list[tuple[str, str, str]], lead: tuple[str, ...] = ()) -> None:
+    """Prints a table: `columns` are (header, key, format spec) with the header's width; a row
+    with "error" prints its `lead` columns and the error instead."""
+    print("\n" + " ".join(f"{h:>{max(len(h), 7)}}" for h, _, _ in columns))
+    for r in rows:
+        if "error" in r:
+            print(" ".join(str(r.get(k, "")) for k in lead) + f"  error: {str(r['error'])[:80]}")
+            continue
+        print(" ".join(f"{'-' if r.get(k) is None else format(r[k], f):>{max(len(h), 7)}}" for h, k, f in columns))

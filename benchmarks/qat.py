@@ -11,7 +11,7 @@
    the BF16 one annealed to 0 83-132% in run 14); the QAT model is evaluated after `convert`
    (real packed weights; the fake-quant forward gives the same loss).
 4. Speed: median QAT step time against the BF16 step; quantize / dequantize kernel bandwidth
-   (`msakit.quant.formats.bench.bench_formats`, plus QAT's grouped expert kernel) against the
+   (`tools.bench.formats.bench_formats`, plus QAT's grouped expert kernel) against the
    HBM bandwidth measured here with a large device-to-device copy (2 GiB; bench_formats also
    reports its own per-size copy and read ceilings).
 
@@ -265,6 +265,33 @@ def interleaved_step_ms(models: dict, batches, device, reps: int = 30) -> dict:
     return {n: 1e3 * statistics.median(t) for n, t in times.items()}
 
 
+def profile_steps(models: dict, batches, device) -> dict:
+    """torch.profiler over one training step per model (same batch): self CPU and device ms and
+    the kernel launches, with the top-operator tables printed (a step far below its wall time on
+    the device is launch / Python bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids, labels = next(batches)
+    ids, labels = ids.to(device), labels.to(device)
+    out = {}
+    for n, m in models.items():
+        opt = make_opt(m, 1e-6, device)
+        params = [p_ for p_ in m.parameters() if p_.requires_grad]
+        train_step(m, opt, params, ids, labels, device)
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            train_step(m, opt, params, ids, labels, device)
+            sync(device)
+        ka = prof.key_averages()
+        dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+        launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                          "cudaLaunchKernelExC"))
+        out[n] = {"cpu_ms": sum(e.self_cpu_time_total for e in ka) / 1e3,
+                  "device_ms": sum(getattr(e, dev_attr) for e in ka) / 1e3, "launches": launches}
+        log(f"== {n} training step: {out[n]}\n" + ka.table(sort_by=dev_attr, row_limit=20))
+    return out
+
+
 @torch.no_grad()
 def evaluate(model, val, device) -> float:
     was = model.training
@@ -364,6 +391,7 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="skip the bandwidth benchmark")
     ap.add_argument("--no-graph-refresh", action="store_true", help="QAT: per-module weight re-quantization")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of one QAT and one BF16 step")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
 
@@ -482,6 +510,8 @@ def main() -> None:
     # taken), so that both see the same machine state; the in-phase medians are kept as well
     inter = interleaved_step_ms({"qat": qat_model, "bf16": ctrl}, loader(), device, reps=p.get("time_reps", 30))
     log(f"interleaved steps: {inter}")
+    if args.profile and device.type == "cuda":
+        payload["step_profile"] = profile_steps({"qat": qat_model, "bf16": ctrl}, loader(), device)
     del ctrl, qat_model
 
     # recovery: the share of the PTQ gap (PTQ of the BF16 control - the control, both after the
@@ -507,7 +537,7 @@ def main() -> None:
     # 4. kernels --------------------------------------------------------------------------------
     kern = None
     if device.type == "cuda" and not args.no_kernels:
-        from msakit.quant.formats.bench import bench_formats
+        from tools.bench.formats import bench_formats
 
         payload["kernel_check"] = kernel_check(device)
         log(f"kernel check (CUDA == reference, bitwise): {payload['kernel_check']}")

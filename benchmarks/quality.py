@@ -152,7 +152,7 @@ def encode_with_offsets(tok, text: str) -> tuple[list[int], list[tuple[int, int]
 
 
 # =============================================================================================
-# The sliding-window baseline: a selection function + a patched decoder layer
+# The sliding-window baseline: a selection function patched into the attention modules
 # =============================================================================================
 
 
@@ -176,38 +176,18 @@ def enable_window(model) -> None:
     its mode is "sparse" (dense mode stays full attention).  msakit is not edited: this patches
     instances only.
 
-    - `MSAAttention.select` (the layer-level selection used by `MSAAttention.forward`) is replaced on
-      each attention module by the window selection;
-    - M3's decoder layers do not call `select` (they call `modeling.msa_attend`, which calls
-      `ops.index_topk`), so each `M3DecoderLayer.forward` is replaced by a copy of its code with the
-      window selection feeding `ops.sparse_attention`.  No KL (the indexer is unused; train with KL
-      off), no attention inputs for the recall metric, single-document rows only (doc_attention off).
+    `MSAAttention.select` (the selection the model's one layer forward uses in training and
+    evaluation) is replaced on each attention module by the window selection, which then feeds
+    `ops.sparse_attention` (per document when rows are packed).  Train with KL off: the KL term
+    would be taken over the window's blocks, and the recall metric compares the window with itself.
     """
-    from msakit import ops
 
     def window_select(self, q_idx, k_idx):  # same signature as MSAAttention.select
         B, T, G, _ = q_idx.shape
         return window_block_idx(T, self.cfg.block_size, self.cfg.topk, batch=B, groups=G, device=q_idx.device)
 
-    def layer_forward(self, h, positions, segments=None, compute_kl=True, want_inputs=False):
-        attn = self.self_attn
-        B, T, _ = h.shape
-        if segments is not None and len(segments) > 1:
-            raise ValueError("the window baseline supports single-document rows only (doc_attention off)")
-        q, k, v, q_idx, k_idx = attn.project(self.input_layernorm(h), positions)
-        if attn.index_branch and attn.mode == "sparse":
-            bi = attn.select(q_idx, k_idx)
-            o = ops.sparse_attention(q, k, v, bi, block_size=attn.cfg.block_size)
-        else:
-            o = ops.dense_attention(q, k, v)
-        h = h + attn.o_proj(o.reshape(B, T, -1))
-        h, load = self._ffn(h)
-        return h, None, load, None
-
-    for layer in model.model.layers:
-        if layer.self_attn.index_branch:
-            layer.self_attn.select = types.MethodType(window_select, layer.self_attn)
-            layer.forward = types.MethodType(layer_forward, layer)
+    for attn in model.msa_layers():
+        attn.select = types.MethodType(window_select, attn)
     model._msakit_window = True
 
 

@@ -2,7 +2,7 @@
 
 Pure arithmetic on the config (standard library only; importing this module does not import
 torch). Every figure follows the formulas in the MSA paper (arXiv 2606.13392, eq. 12) and the
-M3.1-Flash brief (seed 004); the docstrings give each formula. Symbols:
+MiniMax-M3.1-Flash model brief; the docstrings give each formula. Symbols:
 
     H_q, H_kv, d_h   query heads, key-value heads, head dimension
     H_idx, d_idx     index heads (one per KV group, so H_idx = H_kv in M3) and index dimension
@@ -24,8 +24,9 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from msakit.config_io import get_int_field, read_config_json
 
 __all__ = [
     "ModelShape",
@@ -227,93 +228,11 @@ _FIELD_NAMES = {
 }
 
 
-def read_config_json(source: str | os.PathLike[str], what: str = "config") -> tuple[Any, Path]:
-    """The parsed JSON of a folder's ``config.json`` (or the file itself), and the file's path.
-
-    FileNotFoundError ("<what> not found: PATH") for a missing file, ValueError for bad JSON.
-    """
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path}")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return raw, path
-
-
-def write_config_json(path: str | os.PathLike[str], d: Mapping[str, Any]) -> Path:
-    """Write `d` as config.json into a folder (created) or to a *.json path; returns the file."""
-    p = Path(path)
-    if p.suffix != ".json":
-        p.mkdir(parents=True, exist_ok=True)
-        p = p / "config.json"
-    else:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
-    return p
-
-
-def load_config_file(source: str | os.PathLike[str], parse: Any, what: str = "config") -> Any:
-    """``parse(raw)`` on a config file read by read_config_json; its ValueErrors name the file."""
-    raw, path = read_config_json(source, what)
-    try:
-        return parse(raw)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-
-
-def _get(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
-    """cfg[key], or default where it is missing or null."""
-    v = cfg.get(key)
-    return default if v is None else v
-
-
-def _check_fixed(cfg: Mapping[str, Any], fixed: Sequence[tuple[str, bool]]) -> None:
-    """ValueError for any boolean field whose value (default: the wanted one) is not the wanted one."""
-    for key, want in fixed:
-        v = _get(cfg, key, want)
-        if bool(v) != want:
-            raise ValueError(f"config field '{key}'={v!r} is unsupported (only {want} is implemented)")
-
-
-def _rotary_dim(cfg: Mapping[str, Any], head_dim: int, *, check: bool = False) -> int:
-    """rotary_dim, else partial_rotary_factor x head_dim, else head_dim // 2.
-
-    With check, both given must agree (ValueError otherwise).
-    """
-    rotary = cfg.get("rotary_dim")
-    prf = cfg.get("partial_rotary_factor")
-    if rotary is None:
-        rotary = int(round(head_dim * float(prf))) if prf is not None else head_dim // 2
-    elif check and prf is not None and int(round(head_dim * float(prf))) != rotary:
-        raise ValueError(f"inconsistent config: rotary_dim={rotary} but partial_rotary_factor={prf} x "
-                         f"head_dim={head_dim} = {head_dim * float(prf):g}")
-    return rotary
-
-
-def _int(cfg: Mapping[str, Any], key: str, default: int | None = None,
-         *, required: bool = True) -> int:
-    """cfg[key] as an int; ValueError naming the field if missing (and required) or not int."""
-    v = cfg.get(key)
-    if v is None:
-        if default is not None:
-            return default
-        if required:
-            raise ValueError(f"config is missing required field '{key}'")
-        return 0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-        raise ValueError(f"config field '{key}' must be an integer, got {v!r}")
-    return int(v)
-
-
 def _pick(flat: Mapping[str, Any], flat_key: str, legacy: Mapping[str, Any],
           legacy_key: str) -> int:
     """An index setting from the flat name or the legacy one; they must agree if both set."""
-    a = _int(flat, flat_key, required=False) if flat.get(flat_key) is not None else None
-    b = _int(legacy, legacy_key, required=False) if legacy.get(legacy_key) is not None else None
+    a = get_int_field(flat, flat_key, required=False) if flat.get(flat_key) is not None else None
+    b = get_int_field(legacy, legacy_key, required=False) if legacy.get(legacy_key) is not None else None
     if a is not None and b is not None and a != b:
         raise ValueError(f"inconsistent config: {flat_key}={a} but "
                          f"sparse_attention_config.{legacy_key}={b}")
@@ -346,7 +265,7 @@ def _parse(raw: Mapping[str, Any], name: str) -> ModelShape:
     cfg = raw.get("text_config", raw)
     if not isinstance(cfg, Mapping):
         raise ValueError("config field 'text_config' must be an object")
-    layers = _int(cfg, "num_hidden_layers")
+    layers = get_int_field(cfg, "num_hidden_layers")
     legacy = cfg.get("sparse_attention_config") or {}
     if not isinstance(legacy, Mapping):
         raise ValueError("config field 'sparse_attention_config' must be an object")
@@ -366,7 +285,9 @@ def _parse(raw: Mapping[str, Any], name: str) -> ModelShape:
     if sparse is None:  # transformers default: every layer full attention
         sparse = [False] * layers
 
-    # FFN layout: mlp_layer_types or moe_layer_freq; transformers default is all MoE.
+    # FFN layout: mlp_layer_types or moe_layer_freq. Without either, transformers' M3 default is
+    # all MoE; a config that names no experts (a dense HF config: Llama, Qwen2) is all dense MLP.
+    names_experts = any(cfg.get(k) is not None for k in ("num_local_experts", "num_experts"))
     from_mlp = (_flags(cfg["mlp_layer_types"], "mlp_layer_types", _MOE_NAMES, _DENSE_MLP_NAMES)
                 if cfg.get("mlp_layer_types") is not None else None)
     from_moe = (_flags(cfg["moe_layer_freq"], "moe_layer_freq", set(), set())
@@ -375,33 +296,46 @@ def _parse(raw: Mapping[str, Any], name: str) -> ModelShape:
         raise ValueError("inconsistent config: mlp_layer_types and moe_layer_freq disagree")
     moe = from_mlp if from_mlp is not None else from_moe
     if moe is None:
-        moe = [True] * layers
+        moe = [names_experts] * layers
     any_moe, any_dense_mlp = any(moe), not all(moe)
+    # A dense HF config: intermediate_size is the MLP width, head_dim defaults to hidden / heads.
+    dense_hf = not any_moe and not names_experts
+    dense_inter = get_int_field(cfg, "dense_intermediate_size", required=False)
+    if dense_hf and not dense_inter:
+        dense_inter = get_int_field(cfg, "intermediate_size", required=any_dense_mlp)
+    elif any_dense_mlp and not dense_inter:
+        raise ValueError("config is missing required field 'dense_intermediate_size'")
+    head_dim = get_int_field(cfg, "head_dim", required=False)
+    if not head_dim:
+        heads = get_int_field(cfg, "num_attention_heads")
+        if not dense_hf or get_int_field(cfg, "hidden_size") % heads:
+            raise ValueError("config is missing required field 'head_dim'")
+        head_dim = get_int_field(cfg, "hidden_size") // heads
 
-    num_experts = _int(cfg, "num_local_experts", required=False) or _int(
+    num_experts = get_int_field(cfg, "num_local_experts", required=False) or get_int_field(
         cfg, "num_experts", required=False)
     if any_moe and not num_experts:
         raise ValueError("config is missing required field 'num_local_experts'")
-    shared_inter = _int(cfg, "shared_intermediate_size", required=False)
-    n_shared = _int(cfg, "n_shared_experts", 1 if shared_inter else 0)
+    shared_inter = get_int_field(cfg, "shared_intermediate_size", required=False)
+    n_shared = get_int_field(cfg, "n_shared_experts", 1 if shared_inter else 0)
     tie = cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     qk_norm_type = cfg.get("qk_norm_type", "per_head")
     if qk_norm_type not in ("per_head", "per_layer"):
         raise ValueError(f"config field 'qk_norm_type' has unknown value {qk_norm_type!r}")
 
     return ModelShape(
-        vocab_size=_int(cfg, "vocab_size"),
-        hidden_size=_int(cfg, "hidden_size"),
+        vocab_size=get_int_field(cfg, "vocab_size"),
+        hidden_size=get_int_field(cfg, "hidden_size"),
         num_layers=layers,
-        num_heads=_int(cfg, "num_attention_heads"),
-        num_kv_heads=_int(cfg, "num_key_value_heads"),
-        head_dim=_int(cfg, "head_dim"),
-        expert_intermediate_size=_int(cfg, "intermediate_size", required=any_moe),
+        num_heads=get_int_field(cfg, "num_attention_heads"),
+        num_kv_heads=get_int_field(cfg, "num_key_value_heads"),
+        head_dim=head_dim,
+        expert_intermediate_size=(get_int_field(cfg, "intermediate_size") if any_moe else 0),
         num_experts=num_experts,
-        top_k=_int(cfg, "num_experts_per_tok", required=any_moe),
+        top_k=get_int_field(cfg, "num_experts_per_tok", required=any_moe),
         sparse_layers=tuple(sparse),
         moe_layers=tuple(moe),
-        dense_intermediate_size=_int(cfg, "dense_intermediate_size", required=any_dense_mlp),
+        dense_intermediate_size=dense_inter,
         shared_intermediate_size=shared_inter,
         n_shared_experts=n_shared if any_moe else 0,
         index_n_heads=_pick(cfg, "index_n_heads", legacy, "sparse_num_index_heads"),
@@ -411,7 +345,7 @@ def _parse(raw: Mapping[str, Any], name: str) -> ModelShape:
         local_blocks=_pick(cfg, "index_local_blocks", legacy, "sparse_local_block") or 1,
         init_blocks=_pick(cfg, "index_init_blocks", legacy, "sparse_init_block"),
         tie_word_embeddings=bool(tie),
-        use_qk_norm=bool(cfg.get("use_qk_norm", True)),
+        use_qk_norm=bool(cfg.get("use_qk_norm", not dense_hf)),  # Llama / Qwen2 have none
         qk_norm_type=str(qk_norm_type),
         use_routing_bias=bool(cfg.get("use_routing_bias", True)),
         name=name,

@@ -1,9 +1,9 @@
-"""Sampling with a simple contiguous KV cache (msakit's reference generation loop).
+"""The decode loop over the model's forward (`model(ids, cache=...)`), and CUDA-graph capture.
 
-`KVCache` keeps, per layer, K and V [B, max_len, G, D] and, for MSA layers, the index keys
-[B, max_len, Di].  `generate` prefills the prompt in one forward, then feeds one token per step;
-in sparse mode every decode step selects blocks with the indexer over all cached index keys and
-attends the selected blocks only (see `msakit.models.modeling.attend_cached`).
+Every path runs the model's one forward with a cache (`msakit.cache.KVCacheProtocol`); what
+differs is the cache.  Contiguous path (`cache="contiguous"`): a `msakit.cache.KVCache`; the
+prompt runs in one forward, then one token per step; in sparse mode every decode step selects
+blocks with the indexer over all cached index keys and attends the selected blocks only.
 
 Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k, then
 top-p (nucleus) filtering, then one draw from `torch.multinomial` with the given
@@ -13,17 +13,17 @@ streamer protocol, e.g. TextStreamer for B == 1) gets `put(tokens on CPU)` per s
 once at the end (the prompt is not sent).
 
 Paged path (`generate(..., cache="paged")`, the default on CUDA through cache="auto"): the
-prompt runs through the same prefill as the contiguous path (`forward_cached` on a capturing
-cache), its per-layer K / V / index keys go into a `msakit.cache.PagedKVCache` (one sequence per
-row, page = selection block, index keys for the MSA layers only), and every decode step runs
-the layers one by one on the new token: project, `cache.write` into the step's slots, then
-`msa_decode` for sparse-mode MSA layers (one page table and one `plan_decode` per step, shared
-by all layers) or full attention over the gathered pages for dense-mode / dense GQA layers
-(device-side gather through the page table; no host sync inside the layer loop).
+prompt runs through the contiguous prefill (a `KVCache` of the prompt's length), its per-layer
+K / V / index keys go into a `msakit.cache.PagedKVCache` (one sequence per row, page = selection
+block, index keys for the MSA layers only), and every decode step is the model's forward over a
+`msakit.cache.PagedStep` (the step's slots, page table, lengths and msa_decode plan): each layer
+writes its new keys into the step's slots, then attends through `msa_decode` (sparse-mode MSA
+layers; one page table and one `plan_decode` per step, shared by all layers) or full attention
+over the gathered pages (dense-mode / dense GQA layers; no host sync inside the forward).
 
 CUDA graph (`generate(..., cuda_graph=None)`: on for the paged path on CUDA unless False): the
-per-token forward over all layers (embedding, projections, cache writes, msa_decode / dense
-attention over the pages, MoE, norms, lm_head) is `PagedDecoder.static_step`, which reads
+per-token forward (the model's forward over a `PagedStep` of static buffers) is
+`PagedDecoder.static_step`, which reads
 everything that changes from step to step from static device buffers (`_GraphStep`: token ids,
 positions, slots, a page table as wide as max_len, lengths, and an msa_decode plan made for that
 width; shapes never depend on the length).  Host bookkeeping stays outside: `stage` reserves the
@@ -35,57 +35,30 @@ with scatter-adds, not `torch.bincount`, which syncs on CUDA).  A step that cann
 padded-bmm MoE fallback, a custom MoE, any sync or capture error) decodes eagerly with a
 one-time warning (`PagedDecoder.graph_disabled_reason`); a step past max_len runs eagerly.
 Sampling stays outside the graph.  On CPU the eager step is the only path.
+
+Kept across calls: `generate` takes its paged decoder from `decoder_for`, a per-model pool
+(`StatePool`) keyed by (batch, max_len rounded up to LENGTH_QUANTUM, kv_dtype, backend,
+cuda_graph), so a later call of the same shape reuses the pools, static buffers and captured
+graphs (no new capture); a change of the model's weights or attention modes
+(`model_state_key`) drops them; `clear_decoders` frees them.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["KVCache", "sample_next", "generate", "generate_uncached", "paged_supported", "PagedDecoder"]
+from msakit.cache import KVCache, PagedKVCache, PagedStep
+
+__all__ = ["KVCache", "sample_next", "generate", "generate_uncached", "paged_supported", "PagedDecoder",
+           "capture_graph", "GraphCaptureError", "graph_warning", "decoder_for", "clear_decoders", "StatePool", "model_state_key",
+           "round_length"]
 
 CACHE_KINDS = ("auto", "contiguous", "paged")
-
-
-class KVCache:
-    """Contiguous per-layer cache; tensors are allocated at the first write (dtype/device of k)."""
-
-    def __init__(self, num_layers: int, max_len: int) -> None:
-        if num_layers < 1 or max_len < 1:
-            raise ValueError(f"num_layers and max_len must be positive, got {num_layers}, {max_len}")
-        self.num_layers = num_layers
-        self.max_len = max_len
-        self.length = 0
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.k_idx: list[torch.Tensor | None] = [None] * num_layers
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Write the new positions [length, length + Tq) of `layer`; return views of all cached ones."""
-        B, Tq = k.shape[:2]
-        s, e = self.length, self.length + Tq
-        if e > self.max_len:
-            raise ValueError(f"KV cache overflow: {e} positions > max_len={self.max_len}")
-        if self.k[layer] is None:
-            self.k[layer] = k.new_empty((B, self.max_len) + tuple(k.shape[2:]))
-            self.v[layer] = v.new_empty((B, self.max_len) + tuple(v.shape[2:]))
-            if k_idx is not None:
-                self.k_idx[layer] = k_idx.new_empty((B, self.max_len) + tuple(k_idx.shape[2:]))
-        self.k[layer][:, s:e] = k
-        self.v[layer][:, s:e] = v
-        ki = None
-        if k_idx is not None:
-            self.k_idx[layer][:, s:e] = k_idx
-            ki = self.k_idx[layer][:, :e]
-        return self.k[layer][:, :e], self.v[layer][:, :e], ki
-
-    def advance(self, n: int) -> None:
-        self.length += n
 
 
 def _pow2_in(x: int, lo: int = 16, hi: int = 256) -> bool:
@@ -115,26 +88,6 @@ def paged_supported(model: Any) -> str | None:
     return None
 
 
-class _PrefillCapture:
-    """KVCache stand-in for the prefill forward (Tq == Tk): keeps each layer's k, v, k_idx and
-    hands them back unchanged, so the prompt runs exactly the contiguous path's prefill."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.length = 0
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.k_idx: list[torch.Tensor | None] = [None] * num_layers
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None):
-        if self.length:
-            raise ValueError("_PrefillCapture records one prefill only")
-        self.k[layer], self.v[layer], self.k_idx[layer] = k, v, k_idx
-        return k, v, k_idx
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-
 class _GraphStep:
     """Static buffers (and, once captured, the CUDA graph) of one decode step shape (B, nq).
 
@@ -162,7 +115,7 @@ class _GraphStep:
 _GRAPH_WARNED: set[str] = set()
 
 
-def _graph_warn(reason: str) -> None:
+def graph_warning(reason: str) -> None:
     if reason not in _GRAPH_WARNED:
         _GRAPH_WARNED.add(reason)
         warnings.warn(f"msakit.generate: CUDA-graph decode disabled, decoding eagerly: {reason}", RuntimeWarning,
@@ -261,17 +214,15 @@ class PagedDecoder:
 
     def __init__(self, model: Any, batch: int, max_len: int, *, kv_dtype: torch.dtype | None = None,
                  backend: str = "auto", num_pages: int | None = None, cuda_graph: bool = False) -> None:
-        from msakit.cache import PagedKVCache
-
         why = paged_supported(model)
         if why is not None:
             raise ValueError(f"paged decoding is not supported for this model: {why}")
         self.model = model
+        self._pooled = False
         self.layers = list(model.model.layers)
         self.sel = self.layers[0].self_attn.cfg
         self.backend = backend
         self.index_layers = [i for i, l in enumerate(self.layers) if l.self_attn.index_branch]
-        self._is_index = set(self.index_layers)
         ps = self.sel.block_size
         if kv_dtype is None:
             kv_dtype = model.dtype if model.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
@@ -291,21 +242,37 @@ class PagedDecoder:
         self.cuda_graph = bool(cuda_graph)
         self.graph_disabled_reason: str | None = None
         self._graphs: dict[int, _GraphStep] = {}
+        self.in_use = False
+
+    def reset(self) -> None:
+        """Empty the cache's sequences (new ones, length 0) keeping its pools, the static buffers
+        and the captured graphs (`decoder_for` reuses a decoder this way)."""
+        for sid in self.seq_ids:
+            self.cache.free(sid)
+        self.seq_ids = [self.cache.allocate() for _ in self.seq_ids]
+
+    def __enter__(self) -> "PagedDecoder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.in_use = False
+        if self._pooled:
+            self.model = None  # a pooled decoder holds no reference to its model
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] != len(self.seq_ids):
             raise ValueError(f"input_ids has {input_ids.shape[0]} rows for a decoder of batch {len(self.seq_ids)}")
-        cap = _PrefillCapture(len(self.layers))
-        logits = self.model.forward_cached(input_ids, cap)
+        kv = KVCache(len(self.layers), input_ids.shape[1])
+        logits = self.model(input_ids, cache=kv, logits_to_keep=1).logits[:, -1]
         for b, sid in enumerate(self.seq_ids):
-            self.cache.prefill(sid, [k[b] for k in cap.k], [v[b] for v in cap.v],
-                               [None if ki is None else ki[b] for ki in cap.k_idx])
+            self.cache.prefill(sid, [k[b] for k in kv.k], [v[b] for v in kv.v],
+                               [None if ki is None else ki[b] for ki in kv.k_idx])
         return logits
 
     def _sparse_triton(self) -> tuple[bool, bool]:
         """(any sparse-mode MSA layer, msa_decode runs its Triton kernels)."""
-        from msakit.ops._dispatch import use_triton
+        from msakit.ops.dispatch import use_triton
 
         sparse = any(self.layers[l].self_attn.mode == "sparse" for l in self.index_layers)
         return sparse, sparse and use_triton("msa_decode", self.backend, self.cache.device)
@@ -325,61 +292,14 @@ class PagedDecoder:
             )
         return p
 
-    @staticmethod
-    def _pages(pool: torch.Tensor, scale: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
-        """pool [P, G, ps, D] gathered through table [B, W] -> [B, G, W * ps, D] (fp8 dequantized)."""
-        B, W = table.shape
-        if pool.dtype == torch.float8_e4m3fn:
-            x = pool.view(torch.uint8)[table].view(torch.float8_e4m3fn).float() * scale[table].unsqueeze(-1)
-        else:
-            x = pool[table]  # [B, W, G, ps, D]
-        G, ps, D = x.shape[2:]
-        return x.permute(0, 2, 1, 3, 4).reshape(B, G, W * ps, D)
-
-    def _dense(self, q: torch.Tensor, pools, table: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Full causal attention of q [B, nq, Hq, D] over every page of the rows (mask [B, 1, nq, W*ps])."""
-        Hq, G = q.shape[2], pools.num_kv_heads
-        qh = q.transpose(1, 2)
-        kh = self._pages(pools.k, pools.k_scale, table).repeat_interleave(Hq // G, dim=1).to(qh.dtype)
-        vh = self._pages(pools.v, pools.v_scale, table).repeat_interleave(Hq // G, dim=1).to(qh.dtype)
-        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
-                                                             scale=1.0 / math.sqrt(q.shape[-1]))
-        return o.transpose(1, 2)
-
     def _forward(self, new: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, plan) -> torch.Tensor:
-        """The per-token forward over all layers from device metadata only: new [B, nq] token ids,
-        positions [B, nq], slots int64 [B * nq], page_table int32 [B, W], seq_lens int32 [B].
-        No host sync and no Python value that depends on the lengths (shapes only), so it can
-        be captured (the ops are the same either way)."""
-        from msakit.ops.decode import msa_decode
-
-        B, nq = new.shape
-        cache, s = self.cache, self.sel
-        dev = new.device
-        ar = torch.arange(nq, device=dev)
-        # dense attention over all pages: key j visible to new query i iff j <= len - nq + i
-        table = page_table.long()
-        rows = seq_lens.long().unsqueeze(1) - nq + ar  # [B, nq]
-        keys = torch.arange(page_table.shape[1] * cache.page_size, device=dev)
-        mask = (keys.view(1, 1, -1) <= rows.unsqueeze(-1)).unsqueeze(1)  # [B, 1, nq, W*ps]
-        h = self.model.model.embed_tokens(new)
-        G, D, Di = s.num_kv_heads, s.head_dim, s.index_dim
-        for l, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v, q_idx, k_idx = attn.project(layer.input_layernorm(h), positions)
-            ki = k_idx.reshape(B * nq, Di) if l in self._is_index else None
-            cache.write(l, slots, k.reshape(B * nq, G, D), v.reshape(B * nq, G, D), ki)
-            pools = cache.layer(l)
-            if attn.index_branch and attn.mode == "sparse":
-                o = msa_decode(q, q_idx, pools, page_table, seq_lens, plan=plan, topk=s.topk,
-                               local_blocks=s.local_blocks, init_blocks=s.init_blocks, validate=False,
-                               backend=self.backend)
-            else:
-                o = self._dense(q, pools, table, mask)
-            h = h + attn.o_proj(o.reshape(B, nq, -1))
-            h = layer._ffn(h)[0]
-        return self.model.lm_head(self.model.model.norm(h[:, -1:]))[:, -1]
+        """The model's forward over one `PagedStep` from device metadata only: new [B, nq] token
+        ids, positions [B, nq], slots int64 [B * nq], page_table int32 [B, W], seq_lens int32 [B]
+        -> the last position's logits [B, V].  No host sync and no Python value that depends on
+        the lengths (shapes only), so it can be captured (the ops are the same either way)."""
+        step = PagedStep(self.cache, positions, slots, page_table, seq_lens, plan, self.backend)
+        return self.model(new, cache=step, logits_to_keep=1).logits[:, -1]
 
     def _check_new(self, new: torch.Tensor) -> tuple[int, int]:
         B, nq = new.shape
@@ -471,7 +391,7 @@ class PagedDecoder:
 
     def _disable_graph(self, reason: str) -> None:
         self.graph_disabled_reason = reason
-        _graph_warn(reason)
+        graph_warning(reason)
 
     def _graph_step(self, new: torch.Tensor) -> torch.Tensor | None:
         """Replay (capturing first if needed) the step graph; None: run the eager step instead."""
@@ -505,6 +425,99 @@ class PagedDecoder:
         g.graph, g.logits = graph, logits
         graph.replay()
         return logits.clone()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoders (and their captured graphs) kept across generate calls
+# ---------------------------------------------------------------------------------------------
+
+MAX_DECODERS = 2  # per model and pool, least recently used dropped first
+LENGTH_QUANTUM = 128  # max_len is rounded up to a multiple of this, so nearby lengths share a decoder
+
+
+def model_state_key(*models: Any) -> tuple:
+    """What a captured step of `models` depends on besides its own buffers: each attention
+    module's mode and every parameter's storage, dtype and shape (a replaced or moved weight, a
+    QAT wrapper, a mode switch all change it)."""
+    out = []
+    for model in models:
+        modes = tuple(m.mode for m in model.msa_layers()) if hasattr(model, "msa_layers") else ()
+        out.append((modes, tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for p in model.parameters())))
+    return tuple(out)
+
+
+def round_length(n: int) -> int:
+    """n rounded up to a multiple of LENGTH_QUANTUM (the length a pooled state is built for)."""
+    return -(-int(n) // LENGTH_QUANTUM) * LENGTH_QUANTUM
+
+
+class StatePool:
+    """Generation states (caches, static buffers, captured CUDA graphs) kept across calls, per
+    model (weakly: a pooled state must hold no reference to the model) and per shape key, the
+    `size` most recently used of each model.  `get(model, state, key, make)` returns the state
+    stored under `key` (reset through its `reset()`) when it was made for the same `state` (a
+    tuple of `model_state_key` parts, the model's own first) and is not in use, else a new
+    `make()` (stored when the key is free); states made for another state of the model itself
+    are dropped.  States have an `in_use` flag, set here and cleared by their owner when the
+    call ends."""
+
+    def __init__(self, size: int = MAX_DECODERS) -> None:
+        self.size = size
+        self._by_model: "weakref.WeakKeyDictionary[Any, OrderedDict]" = weakref.WeakKeyDictionary()
+
+    def get(self, model: Any, state: tuple, key: Any, make: Callable[[], Any]) -> Any:
+        pool = self._by_model.get(model)
+        if pool is None:
+            pool = self._by_model[model] = OrderedDict()
+        for k in [k for k, (st, _) in pool.items() if st[0] != state[0]]:  # the model itself changed
+            del pool[k]
+        st, obj = pool.get(key, (None, None))
+        if obj is None or st != state or obj.in_use:
+            obj = make()
+            if st != state or key not in pool:
+                pool[key] = (state, obj)
+        else:
+            obj.reset()
+        if key in pool:
+            pool.move_to_end(key)
+        while len(pool) > self.size:
+            pool.popitem(last=False)
+        obj.in_use = True
+        return obj
+
+    def clear(self, model: Any = None) -> None:
+        if model is None:
+            self._by_model.clear()
+        else:
+            self._by_model.pop(model, None)
+
+
+_DECODERS = StatePool()
+
+
+def decoder_for(model: Any, batch: int, max_len: int, *, kv_dtype: torch.dtype | None = None, backend: str = "auto",
+                cuda_graph: bool = False) -> PagedDecoder:
+    """A `PagedDecoder` for `batch` rows of up to `max_len` tokens (`round_length`), reset and
+    reused from earlier calls with the same (batch, rounded max_len, kv_dtype, backend,
+    cuda_graph) while `model_state_key(model)` is unchanged, so its pools and CUDA graphs survive
+    across `generate` calls.  Use it as a context manager (`with decoder_for(...) as dec:`):
+    leaving it returns the decoder to the pool.  `clear_decoders` frees them."""
+    L = round_length(max_len)
+
+    def make() -> PagedDecoder:
+        dec = PagedDecoder(model, batch, L, kv_dtype=kv_dtype, backend=backend, cuda_graph=cuda_graph)
+        dec._pooled = True
+        return dec
+
+    dec = _DECODERS.get(model, model_state_key(model), (int(batch), L, kv_dtype, backend, bool(cuda_graph)), make)
+    dec.model = model
+    return dec
+
+
+def clear_decoders(model: Any = None) -> None:
+    """Drop the pooled decoders (and their graphs) of `model`, or of every model."""
+    _DECODERS.clear(model)
 
 
 def sample_next(
@@ -630,7 +643,7 @@ def generate(
     kv_dtype: torch.dtype | None = None,
     cuda_graph: bool | None = None,
 ):
-    """Cached generation for models with `forward_cached` (M3ForCausalLM) -> tokens [B, T + n]
+    """Cached generation for models whose forward takes a cache (M3ForCausalLM) -> tokens [B, T + n]
     (and the per-step logits [B, n, V] with return_logits).  Stops early once every row has
     produced an eos token (finished rows repeat the first eos id).
 
@@ -646,7 +659,7 @@ def generate(
     if cuda_graph not in (None, True, False):
         raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
     if cache == "auto":
-        from msakit.ops._dispatch import triton_available
+        from msakit.ops.dispatch import triton_available
 
         paged = input_ids.device.type == "cuda" and triton_available() and paged_supported(model) is None
         cache = "paged" if paged else "contiguous"
@@ -659,24 +672,22 @@ def generate(
         raise ValueError(f"cuda_graph=True needs the paged cache on CUDA, got cache={cache!r} on "
                          f"{input_ids.device.type}")
 
+    loop_args = (temperature, top_k, top_p, generator, streamer, eos_token_id, return_logits)
+    max_len = input_ids.shape[1] + max(max_new_tokens, 1)
+    if cache == "paged":
+        with decoder_for(model, input_ids.shape[0], max_len, kv_dtype=kv_dtype, backend=decode_backend,
+                         cuda_graph=graph) as dec:
+
+            def make_paged_step() -> Callable[[torch.Tensor | None], torch.Tensor]:
+                return lambda new: dec.prefill(input_ids) if new is None else dec.step(new)
+
+            return _run_eval(model, make_paged_step, input_ids, max_new_tokens, *loop_args)
+
     def make_step() -> Callable[[torch.Tensor | None], torch.Tensor]:
-        if cache == "paged":
-            dec = PagedDecoder(model, input_ids.shape[0], input_ids.shape[1] + max(max_new_tokens, 1),
-                               kv_dtype=kv_dtype, backend=decode_backend, cuda_graph=graph)
+        kv = KVCache(model.config.num_hidden_layers, max_len)
+        return lambda new: model(input_ids if new is None else new, cache=kv, logits_to_keep=1).logits[:, -1]
 
-            def step(new: torch.Tensor | None) -> torch.Tensor:
-                return dec.prefill(input_ids) if new is None else dec.step(new)
-
-            return step
-        kv = KVCache(model.config.num_hidden_layers, input_ids.shape[1] + max(max_new_tokens, 1))
-
-        def step(new: torch.Tensor | None) -> torch.Tensor:
-            return model.forward_cached(input_ids if new is None else new, kv)
-
-        return step
-
-    return _run_eval(model, make_step, input_ids, max_new_tokens, temperature, top_k, top_p, generator, streamer,
-                     eos_token_id, return_logits)
+    return _run_eval(model, make_step, input_ids, max_new_tokens, *loop_args)
 
 
 @torch.no_grad()

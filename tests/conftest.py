@@ -8,7 +8,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "speculative"))
 
 
 @pytest.fixture(scope="module")

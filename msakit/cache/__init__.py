@@ -1,8 +1,14 @@
-"""Paged KV cache with MSA index keys for decoding (see paged.py for the layout and the API)."""
+"""KV caches behind one protocol (`KVCacheProtocol`: write the new positions' keys, attend dense or
+MSA over what is held, truncate): the contiguous `KVCache`, the paged `PagedKVCache` (one
+forward over it: `PagedStep`); the speculative `SpecCache` lives in `msakit.speculative`."""
 
 from __future__ import annotations
 
-from ..ops.decode.reference import PagedLayer
-from .paged import DecodeMetadata, PagedKVCache, quantize_fp8
+from msakit.cache.base import KVCacheProtocol
+from msakit.cache.contiguous import KVCache
+from msakit.cache.paged import DecodeMetadata, PagedKVCache, PagedStep, gather_pages, quantize_fp8
+from msakit.cache.rows import PagedRows
+from msakit.ops.decode.reference import PagedLayer
 
-__all__ = ["PagedKVCache", "PagedLayer", "DecodeMetadata", "quantize_fp8"]
+__all__ = ["KVCacheProtocol", "KVCache", "PagedRows", "PagedKVCache", "PagedStep", "PagedLayer",
+           "DecodeMetadata", "gather_pages", "quantize_fp8"]

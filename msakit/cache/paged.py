@@ -18,7 +18,7 @@ one per (page, slot)): `x ~= codes.float() * scale`, scale = amax(|x| over the r
 values) / 448 (the largest e4m3 value), clamped to the smallest normal float32, so every token is
 quantized once when it is written and never re-quantized when the page fills up.  The per-token
 float32 scale costs 4 bytes per 128-byte fp8 row (3 %).  This is the same per-row rule as the
-prefill fp8 scoring path (msakit/ops/index_topk/reference.py: quantize_fp8_rows).
+prefill fp8 scoring path (`msakit.ops.quantize_fp8`).
 
 Host-side bookkeeping (Python lists, never a GPU sync):
 - a free list of pages and a refcount per page;
@@ -42,29 +42,21 @@ plus their host copies for validation; `None` in seq_ids is a padding slot (leng
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from ..ops.decode.reference import PagedLayer, gather_sequence
+from msakit.cache.base import KVCacheProtocol
+from msakit.ops.decode.reference import PagedLayer, gather_sequence
+from msakit.ops.fp8 import FP8, quantize_fp8
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as their uint8 bytes (several indexing kernels lack fp8 support)."""
     return t.view(torch.uint8) if t.dtype == FP8 else t
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (last dim) symmetric e4m3 quantization: x ~= codes.float() * scale[..., None]."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes, scale.squeeze(-1)
 
 
 @dataclass
@@ -386,6 +378,19 @@ class PagedKVCache:
             self.write(l, slots, ks[l], vs[l], kis[l] if l in self._islot else None)
         return slots
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the first `length` tokens of seq_id (rollback); pages past them are released."""
+        s = self._seq(seq_id)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= s.length:
+            raise ValueError(f"length must be an integer in [0, {s.length}], got {length!r}")
+        keep = -(-length // self.page_size)
+        for p in s.pages[keep:]:
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._free.append(p)
+        del s.pages[keep:]
+        s.length = length
+
     # ------------------------------------------------------------------ reading
     def gather(self, layer: int, seq_id: int):
         """Contiguous (k [L, G, D], v [L, G, D], k_idx [L, Di] or None) of a sequence (fp8
@@ -423,3 +428,81 @@ class PagedKVCache:
             out.seq_lens_host = lens
             return out
         return DecodeMetadata(table.to(self.device), lens_t.to(self.device), table, lens)
+
+
+def gather_pages(pool: torch.Tensor, scale: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+    """pool [P, G, ps, D] gathered through table int64 [B, W] -> [B, G, W * ps, D] (fp8 dequantized
+    to float32 with its per-token scales [P, G, ps])."""
+    B, W = table.shape
+    if pool.dtype == FP8:
+        x = pool.view(torch.uint8)[table].view(FP8).float() * scale[table].unsqueeze(-1)
+    else:
+        x = pool[table]  # [B, W, G, ps, D]
+    G, ps, D = x.shape[2:]
+    return x.permute(0, 2, 1, 3, 4).reshape(B, G, W * ps, D)
+
+
+class PagedStep(KVCacheProtocol):
+    """One forward of nq new tokens per row over a `PagedKVCache`, from device metadata only.
+
+    positions int64 [B, nq]; slots int64 [B * nq] (reserved with `append_slots`, row by row);
+    page_table int32 [B, W] and seq_lens int32 [B] (lengths including the new tokens); `plan`
+    the `plan_decode` plan of this (batch, nq, width) or None (msa_decode then plans itself:
+    eager use only).  Sparse-mode MSA layers attend through `msa_decode` (one plan for all
+    layers), the others attend every page of the row (gathered through the page table, keys past
+    a query's position masked).  No host sync and no Python value that depends on the lengths:
+    a forward over a PagedStep built from static buffers can be captured as a CUDA graph."""
+
+    def __init__(self, cache: PagedKVCache, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                 seq_lens: torch.Tensor, plan=None, backend: str = "auto") -> None:
+        if positions.dim() != 2 or slots.shape != (positions.numel(),):
+            raise ValueError(f"positions must be [B, nq] and slots [B * nq], got {tuple(positions.shape)}, "
+                             f"{tuple(slots.shape)}")
+        if page_table.dim() != 2 or page_table.shape[0] != positions.shape[0] or seq_lens.shape != (positions.shape[0],):
+            raise ValueError(f"page_table must be [B, W] and seq_lens [B] for B={positions.shape[0]}, got "
+                             f"{tuple(page_table.shape)}, {tuple(seq_lens.shape)}")
+        self.cache, self.pos, self.slots = cache, positions, slots
+        self.page_table, self.seq_lens, self.plan, self.backend = page_table, seq_lens, plan, backend
+        self._mask: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
+
+    def positions(self, batch: int, num_new: int, device: torch.device) -> torch.Tensor:
+        if tuple(self.pos.shape) != (batch, num_new):
+            raise ValueError(f"this step holds positions {tuple(self.pos.shape)}, got {batch} x {num_new} new tokens")
+        return self.pos
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None) -> None:
+        B, nq, G, D = k.shape
+        ki = None if k_idx is None else k_idx.reshape(B * nq, -1)
+        self.cache.write(layer, self.slots, k.reshape(B * nq, G, D), v.reshape(B * nq, G, D), ki)
+
+    def dense_mask(self, nq: int) -> torch.Tensor:
+        """bool [B, 1, nq, W * ps]: key j visible to new query i iff j <= seq_len - nq + i (made once per step)."""
+        if self._mask is None:
+            dev = self.page_table.device
+            rows = self.seq_lens.long().unsqueeze(1) - nq + torch.arange(nq, device=dev)  # [B, nq]
+            keys = torch.arange(self.page_table.shape[1] * self.cache.page_size, device=dev)
+            self._mask = (keys.view(1, 1, -1) <= rows.unsqueeze(-1)).unsqueeze(1)
+        return self._mask
+
+    def attend(self, layer: int, q: torch.Tensor, q_idx: torch.Tensor | None, sel, mode: str) -> torch.Tensor:
+        pools = self.cache.layer(layer)
+        if mode == "sparse" and q_idx is not None:
+            from msakit.ops.decode import msa_decode
+
+            return msa_decode(q, q_idx, pools, self.page_table, self.seq_lens, plan=self.plan, topk=sel.topk,
+                              local_blocks=sel.local_blocks, init_blocks=sel.init_blocks, validate=False,
+                              backend=self.backend)
+        nq, Hq, G = q.shape[1], q.shape[2], pools.num_kv_heads
+        if self._table is None:
+            self._table = self.page_table.long()
+        table = self._table
+        qh = q.transpose(1, 2)
+        kh = gather_pages(pools.k, pools.k_scale, table).repeat_interleave(Hq // G, dim=1).to(qh.dtype)
+        vh = gather_pages(pools.v, pools.v_scale, table).repeat_interleave(Hq // G, dim=1).to(qh.dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=self.dense_mask(nq),
+                                                             scale=1.0 / math.sqrt(q.shape[-1]))
+        return o.transpose(1, 2)
+
+    def truncate(self, lengths) -> None:
+        raise ValueError("a PagedStep is one forward; truncate the sequences of its PagedKVCache (PagedKVCache.truncate)")

@@ -7,20 +7,24 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from msakit.train.run import add_data_args, add_optim_args
+    from msakit.train.run import POS_INT, add_data_args, add_optim_args
 
     p = subparsers.add_parser(
         "convert", help="convert a dense model (msakit checkpoint, HF Llama/Qwen2 folder) to MSA and train the indexer",
         description="Add index branches to every dense-attention layer (msakit.models.convert), warm the indexer "
                     "up by KL while the main branch stays dense (--warmup-steps), then continue training in "
                     "sparse mode.  SOURCE: an msakit run / checkpoint folder or an HF model folder "
-                    "(config.json + safetensors + tokenizer.json).")
-    p.add_argument("source", metavar="SOURCE", help="dense model: msakit run/checkpoint folder or HF model folder")
-    p.add_argument("--out", default="runs/convert", metavar="DIR", help="run folder (default runs/convert)")
+                    "(config.json + safetensors + tokenizer.json).  `msakit convert --resume --out RUN --steps N` "
+                    "continues a conversion run (the same as `msakit train --resume --out RUN`).")
+    p.add_argument("source", metavar="SOURCE", nargs="?", default=None,
+                   help="dense model: msakit run/checkpoint folder or HF model folder (not with --resume)")
+    p.add_argument("--out", default="runs/convert", metavar="DIR", help="run folder")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
+                   help="continue the conversion run in --out (or from CKPT) with its recorded settings")
     m = p.add_argument_group("index branch")
-    m.add_argument("--block-size", type=int, default=None, metavar="N", help="MSA block size (default: model's / 128)")
-    m.add_argument("--topk", type=int, default=None, metavar="K", help="blocks per query (default: model's / 16)")
-    m.add_argument("--index-dim", type=int, default=None, metavar="N", help="index head dim (default: model's)")
+    m.add_argument("--block-size", type=POS_INT, default=None, metavar="N", help="MSA block size (default: model's / 128)")
+    m.add_argument("--topk", type=POS_INT, default=None, metavar="K", help="blocks per query (default: model's / 16)")
+    m.add_argument("--index-dim", type=POS_INT, default=None, metavar="N", help="index head dim (default: model's)")
     add_data_args(p, vocab=False)
     add_optim_args(p, lr=1e-3, dense_warmup_steps=100, steps=300, eval_every=50, save_every=100)
     p.set_defaults(func=_run)

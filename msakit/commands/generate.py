@@ -7,21 +7,29 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from msakit.train.run import NONNEG_INT, POS_INT, SEED, Number, add_device_arg
+
     p = subparsers.add_parser(
-        "generate", help="sample from a checkpoint (streams to stdout)",
-        description="Load a checkpoint (run folder, checkpoint folder or model folder) and the tokenizer saved "
-                    "beside it, then sample a continuation of the prompt, streaming it to stdout.")
+        "generate", help="sample from a checkpoint (streams to stdout); --drafter: speculative decoding",
+        description="Load a checkpoint (run folder, checkpoint or model folder) and the tokenizer saved beside it, "
+                    "then sample a continuation of the prompt, streaming it to stdout.  With --drafter (a "
+                    "`msakit train-drafter` run or drafter folder) the tokens come from DSpark speculative "
+                    "decoding (the same distribution as plain sampling) and the accepted length is printed to "
+                    "stderr.")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run folder (its latest checkpoint), checkpoint or model folder")
     p.add_argument("--prompt", default=None, help="prompt text (default: start a new document)")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from a file")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, metavar="K")
-    p.add_argument("--top-p", type=float, default=None, metavar="P")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="attention mode (default sparse)")
+    p.add_argument("--max-new-tokens", type=NONNEG_INT, default=200, metavar="N", help="tokens to sample")
+    p.add_argument("--temperature", type=Number(float, 0), default=0.8, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-k", type=POS_INT, default=None, metavar="K", help="sample among the K likeliest (default all)")
+    p.add_argument("--top-p", type=Number(float, 0, 1, lo_open=True), default=None, metavar="P",
+                   help="nucleus sampling: the smallest set with probability >= P (default off)")
+    p.add_argument("--seed", type=SEED, default=0, help="sampling seed")
+    p.add_argument("--mode", choices=("sparse", "dense"), default="sparse", help="attention mode")
+    p.add_argument("--drafter", default=None, metavar="DIR",
+                   help="a DSpark drafter (train-drafter run, checkpoint or drafter folder): speculative decoding")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: beside the checkpoint)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_device_arg(p)
     p.set_defaults(func=_run)
     return p
 

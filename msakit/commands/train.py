@@ -16,9 +16,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "Logs metrics.jsonl and plots; writes atomic, hashed checkpoints under OUT/checkpoints.")
     p.add_argument("--out", default="runs/train", metavar="DIR", help="run folder (default runs/train)")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
-                   help="continue the run in --out (or from CKPT) with the same data order and settings")
+                   help="continue the run in --out (or from CKPT) with the same data order and settings; only "
+                        "--steps (to train further), --device, --cache-dir and --no-progress may be given with it")
     m = p.add_argument_group("model")
-    m.add_argument("--preset", default="tiny", help="tiny (CPU), small (one GPU), minimax-m3, minimax-m3.1-flash")
+    m.add_argument("--preset", default="tiny",
+                   help="tiny (CPU), small (one GPU), minimax-m3, minimax-m3.1-flash (refused where it cannot fit)")
     m.add_argument("--config", metavar="PATH", help="an M3 config.json (or its folder) instead of a preset")
     m.add_argument("--attention", choices=("msa", "dense"), default="msa",
                    help="dense: a plain GQA model without index branches (a source for `msakit convert`)")

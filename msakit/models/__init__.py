@@ -1,7 +1,7 @@
 """M3-style models: `M3Config` (HF config.json in and out, presets), `M3ForCausalLM`, safetensors
 I/O under the HF MiniMax-M3 names, and dense -> MSA conversion.
 
-Interface shared with training (`msakit.train`) and speculative decoding (`msakit.spec`)::
+Interface shared with training (`msakit.train`) and speculative decoding (`msakit.speculative`)::
 
     cfg = M3Config.preset("tiny")            # "small", "minimax-m3", "minimax-m3.1-flash"; M3Config.from_pretrained(path)
     model = M3ForCausalLM(cfg)               # initialised in __init__ (model.reset_parameters() again)
@@ -16,11 +16,20 @@ Interface shared with training (`msakit.train`) and speculative decoding (`msaki
     model.update_routing_bias(out.expert_load, rate=1e-3)
     model.save_pretrained(dir); M3ForCausalLM.from_pretrained(dir, device=None, dtype=None)
     model.generate(input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, streamer=None)
+    out = model(new_ids, cache=cache, taps=None, logits_to_keep=0)   # decoding: a msakit.cache.KVCacheProtocol
+                                             # (new positions written, attention over what it holds); out.taps
 
 Conversion: `convert_dense_to_msa(model_or_path, ...)` and `load_for_conversion(path)` in
 `msakit.models.convert` (imported lazily: it needs `transformers` only for HF models).
+
+Config I/O (`read_config_json`, `write_config_json`, `load_config_file` and the field readers
+`get_field`, `get_int_field`, `check_fixed_fields`, `get_rotary_dim`) is defined in the
+torch-free `msakit.config_io`, which `msakit.cost` also uses, and re-exported here.
 """
 
+from msakit import config_io
+from msakit.config_io import (check_fixed_fields, get_field, get_int_field, get_rotary_dim, load_config_file,
+                              read_config_json, write_config_json)
 from msakit.models.config import M3_MODEL_TYPES, PRESETS, M3Config
 from msakit.models.modeling import M3DecoderLayer, M3ForCausalLM, M3Model, M3Output, parameter_counts
 
@@ -33,6 +42,7 @@ __all__ = [
     "PRESETS",
     "M3_MODEL_TYPES",
     "parameter_counts",
+    *config_io.__all__,
     "convert_dense_to_msa",
     "load_for_conversion",
 ]

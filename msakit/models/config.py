@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from msakit.cost import ModelShape, _check_fixed, _get, _rotary_dim, load_config_file, write_config_json
+from msakit.config_io import check_fixed_fields, get_field, get_rotary_dim, load_config_file, write_config_json
+from msakit.cost import ModelShape
 
 __all__ = ["M3Config", "M3_MODEL_TYPES", "PRESETS"]
 
@@ -170,13 +171,13 @@ class M3Config:
         L = shape.num_layers
 
         def get(key: str, default: Any) -> Any:
-            return _get(cfg, key, default)
+            return get_field(cfg, key, default)
 
         _check_value(cfg, "scoring_func", ("sigmoid",), "sigmoid")
         act = get("hidden_act", "swigluoai")
         if act not in _SWIGLU_ACTS:
             raise ValueError(f"config field 'hidden_act' is {act!r}; only 'swigluoai' (SwiGLU-OAI) is supported")
-        _check_fixed(cfg, (("use_gemma_norm", True), ("use_qk_norm", True), ("attention_output_gate", False),
+        check_fixed_fields(cfg, (("use_gemma_norm", True), ("use_qk_norm", True), ("attention_output_gate", False),
                            ("tie_word_embeddings", False)))
         _check_value(cfg, "qk_norm_type", ("per_head",), "per_head")
         score = legacy.get("sparse_score_type", cfg.get("index_score_type", "max"))
@@ -205,7 +206,7 @@ class M3Config:
             raise ValueError(f"config field 'rope_scaling / rope_parameters.rope_type'={rot_type!r} is unsupported "
                              "(plain RoPE only)")
         head_dim = shape.head_dim
-        rotary = _rotary_dim(cfg, head_dim, check=True)
+        rotary = get_rotary_dim(cfg, head_dim, check=True)
         tok = {k: cfg.get(k, raw.get(k)) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         dtype = cfg.get("torch_dtype", cfg.get("dtype"))
         any_moe = bool(shape.num_moe_layers)

@@ -37,16 +37,8 @@ from torch import nn
 
 from msakit import ops
 from msakit.models.config import M3_MODEL_TYPES
-from msakit.models.modeling import (
-    M3ForCausalLM,
-    M3Output,
-    document_segments,
-    lm_loss,
-    msa_attend,
-    segment_positions,
-    selection_info,
-)
-from msakit.nn.attention import MODES, MSAConfig
+from msakit.models.modeling import M3ForCausalLM, M3Output, document_segments, lm_loss, segment_positions
+from msakit.nn.attention import MODES, MSAConfig, msa_attend, selection_info
 from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
 
@@ -73,7 +65,7 @@ _INDEX_KEYS = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 def load_for_conversion(path: str | os.PathLike[str], device: Any = None, dtype: torch.dtype | None = None) -> nn.Module:
     """Load a model folder: msakit / MiniMax-M3 (`M3ForCausalLM`), a saved `MSAWrappedModel`, or
     an HF Llama-style model (through transformers, offline).  Decided by config.json's model_type."""
-    from msakit.cost import read_config_json
+    from msakit.config_io import read_config_json
 
     folder = Path(path)
     raw, cfg_path = read_config_json(folder / "config.json", "config.json")
@@ -106,6 +98,11 @@ def convert_dense_to_msa(
     equal the source's.  Unset sizes default to the source config's (msakit) or to
     index_head_dim = head_dim, block 128, top-16, local 1, init 0, rotary_dim = min(64, Di / 2) (HF).
     `layers`: which layers get an index branch (default every dense-attention layer)."""
+    for name, val, lo in (("index_head_dim", index_head_dim, 1), ("block_size", block_size, 1),
+                          ("topk_blocks", topk_blocks, 1), ("local_blocks", local_blocks, 0),
+                          ("init_blocks", init_blocks, 0), ("rotary_dim", rotary_dim, 0)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < lo):
+            raise ValueError(f"{name} must be an integer >= {lo} (or None for the default), got {val!r}")
     model = model_or_path
     if isinstance(model_or_path, (str, os.PathLike)):
         model = load_for_conversion(model_or_path, device=device, dtype=dtype)
@@ -375,11 +372,13 @@ class MSAWrappedModel(nn.Module):
              init_blocks=None, rotary_dim=None, layers=None, seed: int = 0) -> "MSAWrappedModel":
         cfg = hf_model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        di = index_head_dim or head_dim
+        di = index_head_dim if index_head_dim is not None else head_dim
         rot = rotary_dim if rotary_dim is not None else min(64, di // 2, head_dim) // 2 * 2
         settings = MSASettings(
-            index_head_dim=di, block_size=block_size or 128, topk_blocks=topk_blocks or 16,
-            local_blocks=1 if local_blocks is None else local_blocks, init_blocks=init_blocks or 0, rotary_dim=rot,
+            index_head_dim=di, block_size=block_size if block_size is not None else 128,
+            topk_blocks=topk_blocks if topk_blocks is not None else 16,
+            local_blocks=1 if local_blocks is None else local_blocks,
+            init_blocks=init_blocks if init_blocks is not None else 0, rotary_dim=rot,
             rope_theta=_rope_theta(cfg), rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
             layers=None if layers is None else sorted(set(layers)), mode="dense",
         )

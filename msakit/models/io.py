@@ -21,7 +21,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -30,13 +30,19 @@ __all__ = [
     "SINGLE_FILE",
     "INDEX_FILE",
     "hf_state_items",
+    "split_stacked",
     "save_weights",
     "save_tensors",
     "load_weights",
+    "copy_tensors",
     "weight_files",
     "save_pretrained",
     "load_pretrained",
     "parse_size",
+    "few_names",
+    "match_names",
+    "name_problems",
+    "targets_in_files",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -64,15 +70,22 @@ def parse_size(size: int | str) -> int:
     return max(1, int(float(m.group(1)) * mult))
 
 
-def hf_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of the model's weights; stacked experts are split per expert (views)."""
-    for name, t in model.state_dict().items():
-        m = _STACKED.match(name)
+def split_stacked(items: Iterable[tuple[str, torch.Tensor]], pattern: re.Pattern[str],
+                  name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) items with each tensor whose name matches `pattern` split along dim 0
+    into views named ``name.format(e=index, **match.groupdict())``; the others unchanged."""
+    for n, t in items:
+        m = pattern.match(n)
         if m:
             for e in range(t.shape[0]):
-                yield f"{m['pre']}.{e}.{m['w']}.weight", t[e]
+                yield name.format(e=e, **m.groupdict()), t[e]
         else:
-            yield name, t
+            yield n, t
+
+
+def hf_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the model's weights; stacked experts are split per expert (views)."""
+    return split_stacked(model.state_dict().items(), _STACKED, "{pre}.{e}.{w}.weight")
 
 
 def _shards(items: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -173,12 +186,13 @@ def _normalise(name: str) -> str | None:
     return name
 
 
-def _few(names: Iterable[str], n: int = 6) -> str:
+def few_names(names: Iterable[str], n: int = 6) -> str:
+    """The first `n` of the sorted names, comma-separated, with the count when some are left out."""
     names = sorted(names)
     return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
 
 
-def _match_names(files: Mapping[str, list[str]], targets: Mapping[str, Any]) -> tuple[set[str], list[str]]:
+def match_names(files: Mapping[str, list[str]], targets: Mapping[str, Any]) -> tuple[set[str], list[str]]:
     """(model names no checkpoint tensor fills, checkpoint names the model has no place for)."""
     found: set[str] = set()
     unexpected: list[str] = []
@@ -194,16 +208,17 @@ def _match_names(files: Mapping[str, list[str]], targets: Mapping[str, Any]) -> 
     return set(targets) - found, unexpected
 
 
-def _name_problems(missing: Iterable[str], unexpected: Iterable[str]) -> list[str]:
+def name_problems(missing: Iterable[str], unexpected: Iterable[str]) -> list[str]:
+    """The "missing ..." / "unexpected ..." phrases of a load error (empty when both are empty)."""
     problems = []
     if missing:
-        problems.append(f"missing {_few(missing)}")
+        problems.append(f"missing {few_names(missing)}")
     if unexpected:
-        problems.append(f"unexpected {_few(unexpected)}")
+        problems.append(f"unexpected {few_names(unexpected)}")
     return problems
 
 
-def _targets_in_files(files: Mapping[str, list[str]], targets: Mapping[str, Any]) -> Iterator[tuple[Any, str, str]]:
+def targets_in_files(files: Mapping[str, list[str]], targets: Mapping[str, Any]) -> Iterator[tuple[Any, str, str]]:
     """(open safetensors file, checkpoint name, model name) for each checkpoint tensor the model takes."""
     from safetensors import safe_open
 
@@ -215,27 +230,52 @@ def _targets_in_files(files: Mapping[str, list[str]], targets: Mapping[str, Any]
                     yield f, raw, name
 
 
+def _same_shape(raw: str, name: str, sl: Any, target: torch.Tensor) -> str | None:
+    shape = tuple(sl.get_shape())
+    return None if shape == tuple(target.shape) else f"{raw} {list(shape)} (model {list(target.shape)})"
+
+
 @torch.no_grad()
+def copy_tensors(
+    folder: str | os.PathLike[str],
+    targets: Mapping[str, torch.Tensor],
+    *,
+    what: str = "the model",
+    check: Callable[[str, str, Any, torch.Tensor], str | None] = _same_shape,
+    mismatch: str = "shape mismatch",
+    optional: Callable[[str], bool] | None = None,
+    convert: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> set[str]:
+    """Copy the safetensors checkpoint in `folder` into `targets` ({model name: tensor}, in place;
+    ``copy_`` converts the dtype); returns the optional model names the checkpoint lacks.
+
+    Before copying any tensor, raises ValueError naming the missing, unexpected and mismatched
+    tensors.  check(checkpoint name, model name, safetensors slice, target): a problem or None
+    (default: the shapes must be equal); `mismatch` heads the list of those problems.  optional(model name): may be absent.  convert(loaded,
+    target): the tensor to copy (default: the loaded one).
+    """
+    files = weight_files(folder)
+    missing, unexpected = match_names(files, targets)
+    absent = {n for n in missing if optional is not None and optional(n)}
+    problems = name_problems(missing - absent, unexpected)
+    bad = [p for f, raw, name in targets_in_files(files, targets)
+           if (p := check(raw, name, f.get_slice(raw), targets[name])) is not None]
+    if bad:
+        problems.append(f"{mismatch} {few_names(bad, 4)}")
+    if problems:
+        raise ValueError(f"checkpoint {folder} does not match {what}: " + "; ".join(problems))
+    for f, raw, name in targets_in_files(files, targets):
+        src = f.get_tensor(raw)
+        targets[name].copy_(src if convert is None else convert(src, targets[name]))
+    return absent
+
+
 def load_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """Copy a checkpoint's tensors into the model's parameters (dtype converted, in place).
 
     Raises ValueError listing missing, unexpected or mis-shaped tensors before copying any.
     """
-    files = weight_files(folder)
-    targets: dict[str, torch.Tensor] = dict(hf_state_items(model))
-    missing, unexpected = _match_names(files, targets)
-    problems = _name_problems(missing, unexpected)
-    bad_shape = []
-    for f, raw, name in _targets_in_files(files, targets):
-        shape = tuple(f.get_slice(raw).get_shape())
-        if shape != tuple(targets[name].shape):
-            bad_shape.append(f"{raw} {list(shape)} (model {list(targets[name].shape)})")
-    if bad_shape:
-        problems.append(f"shape mismatch {_few(bad_shape, 4)}")
-    if problems:
-        raise ValueError(f"checkpoint {folder} does not match the model: " + "; ".join(problems))
-    for f, raw, name in _targets_in_files(files, targets):
-        targets[name].copy_(f.get_tensor(raw))
+    copy_tensors(folder, dict(hf_state_items(model)))
 
 
 def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> None:

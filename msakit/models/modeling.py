@@ -11,6 +11,12 @@ KL term, the warm-up / conversion mode).  Module and parameter names are the HF 
 so `state_dict()` keys are the checkpoint's, except the routed experts, which are stored stacked
 (`block_sparse_moe.experts.w1` [E, I, H]) and saved per expert by `msakit.models.io`.
 
+One layer forward (`M3DecoderLayer.forward`) serves training (no cache) and every decode path:
+`model(new_ids, cache=cache)` with a `msakit.cache.KVCacheProtocol` (contiguous generation, the
+paged decode step and its CUDA graph, speculative verification) writes the new positions' keys
+and attends what the cache holds; `taps=` returns the residual stream after given layers (the
+DSpark drafter's inputs).
+
 Packed batches: `cu_seqlens` (int32 [ndocs + 1], B == 1) splits the sequence into documents;
 positions restart per document, attention, selection, KL and the LM loss never cross a document
 boundary (the target of a document's last token, the next document's first token, is ignored).
@@ -29,24 +35,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from msakit import ops
+from msakit.cache.base import KVCacheProtocol
 from msakit.models.config import M3Config
 from msakit.nn.attention import MODES, MSAAttention, MSAConfig
 from msakit.nn.mlp import SwiGLUMLP
 from msakit.nn.moe import MoE
 from msakit.nn.norm import GemmaRMSNorm
-from msakit.ops.index_topk.reference import index_topk_reference
-from msakit.ops.sparse_attention.reference import sparse_attention_reference
 
 __all__ = [
     "M3Output",
     "M3DecoderLayer",
     "M3Model",
     "M3ForCausalLM",
-    "msa_attend",
-    "attend_cached",
     "document_segments",
-    "selection_info",
     "segment_positions",
     "lm_loss",
     "parameter_counts",
@@ -63,6 +64,7 @@ class M3Output:
     expert_load: torch.Tensor | None = None
     attn_inputs: list[dict[str, Any]] | None = None
     hidden_states: list[torch.Tensor] | None = None
+    taps: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,105 +99,6 @@ def segment_positions(segments: Sequence[tuple[int, int]], T: int, device: torch
             starts[s:] = s
         pos = pos - starts
     return pos.unsqueeze(0)
-
-
-def msa_attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_idx: torch.Tensor | None,
-    k_idx: torch.Tensor | None,
-    sel: MSAConfig,
-    *,
-    mode: str,
-    compute_kl: bool,
-    need_block_idx: bool = False,
-    segments: Sequence[tuple[int, int]] | None = None,
-    softmax_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One layer's attention core on projected tensors (training / full-sequence path).
-
-    q [B,T,Hq,D], k/v [B,T,G,D], q_idx [B,T,G,Di] / k_idx [B,T,Di] (None: a dense layer without an
-    index branch).  Returns (o [B,T,Hq,D], KL term or None, block_idx [B,G,T,K] or None).  The
-    selection is made when the mode is "sparse", the KL is wanted or `need_block_idx`; per
-    document when `segments` has several entries (KL averaged over all query rows).
-    """
-    T = q.shape[1]
-    segments = segments or [(0, T)]
-    has_index = q_idx is not None
-    select = has_index and (mode == "sparse" or compute_kl or need_block_idx)
-    outs, bidxs = [], []
-    kl = None
-    for s, e in segments:
-        whole = (s, e) == (0, T)
-        qs, ks, vs = (q, k, v) if whole else (q[:, s:e], k[:, s:e], v[:, s:e])
-        bi = None
-        if select:
-            qis, kis = (q_idx, k_idx) if whole else (q_idx[:, s:e], k_idx[:, s:e])
-            with torch.no_grad():
-                bi = ops.index_topk(qis, kis, block_size=sel.block_size, topk=sel.topk,
-                                    local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
-            bidxs.append(bi)
-        if mode == "sparse" and bi is not None:
-            o = ops.sparse_attention(qs, ks, vs, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
-        else:
-            o = ops.dense_attention(qs, ks, vs, softmax_scale=softmax_scale)
-        outs.append(o)
-        if compute_kl and bi is not None:
-            term = ops.index_kl_loss(qs, ks, qis, kis, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
-            term = term if whole else term * ((e - s) / T)
-            kl = term if kl is None else kl + term
-    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    block_idx = None
-    if bidxs:
-        block_idx = bidxs[0] if len(bidxs) == 1 else torch.cat(bidxs, dim=2)
-    return o, kl, block_idx
-
-
-def selection_info(sel: MSAConfig, segments: Sequence[tuple[int, int]] | None) -> dict[str, Any]:
-    """The selection settings stored beside each layer's attn_inputs (block ids are relative to
-    each document's start when the batch was packed: `cu_seqlens` is then given too)."""
-    info: dict[str, Any] = dict(block_size=sel.block_size, topk=sel.topk, local_blocks=sel.local_blocks,
-                                init_blocks=sel.init_blocks)
-    if segments is not None and len(segments) > 1:
-        info["cu_seqlens"] = torch.tensor([0] + [e for _, e in segments], dtype=torch.int32)
-    return info
-
-
-def attend_cached(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_idx: torch.Tensor | None,
-    k_idx: torch.Tensor | None,
-    sel: MSAConfig,
-    *,
-    mode: str,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """Attention of the last Tq positions (q [B,Tq,Hq,D]) over all Tk cached keys (k, v [B,Tk,G,D],
-    k_idx [B,Tk,Di]); queries are the last Tq positions of the key sequence.
-
-    Sparse mode selects with the indexer over every cached index key and attends the selected
-    blocks (the reference ops, which take Tq < Tk); dense mode (and layers without an index
-    branch) is SDPA with a bottom-right causal mask.  Tq == Tk (prefill) takes the training path.
-    """
-    Tq, Tk = q.shape[1], k.shape[1]
-    if Tq == Tk:
-        return msa_attend(q, k, v, q_idx, k_idx, sel, mode=mode, compute_kl=False, softmax_scale=softmax_scale)[0]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if mode == "sparse" and q_idx is not None:
-        bi = index_topk_reference(q_idx, k_idx, block_size=sel.block_size, topk=sel.topk,
-                                  local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
-        return sparse_attention_reference(q, k, v, bi, block_size=sel.block_size, softmax_scale=scale)
-    Hq, G = q.shape[2], k.shape[2]
-    qh = q.transpose(1, 2)
-    kh = k.transpose(1, 2).repeat_interleave(Hq // G, dim=1)
-    vh = v.transpose(1, 2).repeat_interleave(Hq // G, dim=1)
-    rows = torch.arange(Tk - Tq, Tk, device=q.device).view(-1, 1)
-    mask = torch.arange(Tk, device=q.device).view(1, -1) <= rows  # bottom-right causal
-    o = F.scaled_dot_product_attention(qh, kh.to(qh.dtype), vh.to(qh.dtype), attn_mask=mask, scale=scale)
-    return o.transpose(1, 2)
 
 
 def lm_loss(
@@ -245,7 +148,8 @@ class M3DecoderLayer(nn.Module):
         H = cfg.hidden_size
         self.input_layernorm = GemmaRMSNorm(H, cfg.rms_norm_eps)
         sparse = cfg.is_sparse(layer_idx)
-        self.self_attn = MSAAttention(msa_config(cfg), mode=mode if sparse else "dense", index_branch=sparse)
+        self.self_attn = MSAAttention(msa_config(cfg), mode=mode if sparse else "dense", index_branch=sparse,
+                                      layer_idx=layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(H, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe(layer_idx)
         if self.is_moe:
@@ -258,46 +162,29 @@ class M3DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(H, cfg.dense_intermediate_size, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
-    def _ffn(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = self.post_attention_layernorm(h)
-        if self.is_moe:
-            y, load = self.block_sparse_moe(x)
-            return h + y, load
-        return h + self.mlp(x), None
-
     def forward(
         self,
         h: torch.Tensor,
         positions: torch.Tensor | None,
+        cache: KVCacheProtocol | None = None,
         segments: Sequence[tuple[int, int]] | None = None,
         compute_kl: bool = True,
         want_inputs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[str, Any] | None]:
-        """h [B,T,H] -> (h, KL term or None, expert load [E] or None, attn inputs or None)."""
-        attn = self.self_attn
-        B, T, _ = h.shape
-        q, k, v, q_idx, k_idx = attn.project(self.input_layernorm(h), positions)
-        o, kl, bidx = msa_attend(q, k, v, q_idx, k_idx, attn.cfg, mode=attn.mode, compute_kl=compute_kl,
-                                 need_block_idx=want_inputs, segments=segments)
-        h = h + attn.o_proj(o.reshape(B, T, -1))
-        h, load = self._ffn(h)
-        inputs = None
-        if want_inputs:
-            det = lambda t: None if t is None else t.detach()  # noqa: E731
-            inputs = dict(q=det(q), k=det(k), q_idx=det(q_idx), k_idx=det(k_idx), block_idx=bidx,
-                          **selection_info(attn.cfg, segments))
-        return h, kl, load, inputs
+        """h [B,T,H] -> (h, KL term or None, expert load [E] or None, attn inputs or None).
 
-    @torch.no_grad()
-    def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        """Decode path: append this step's k, v, k_idx to `cache` (layer `layer_idx`) and attend."""
-        attn = self.self_attn
-        B, T, _ = h.shape
-        q, k, v, q_idx, k_idx = attn.project(self.input_layernorm(h), positions)
-        K, V, KI = cache.update(self.layer_idx, k, v, k_idx)
-        o = attend_cached(q, K, V, q_idx, KI, attn.cfg, mode=attn.mode)
-        h = h + attn.o_proj(o.reshape(B, T, -1))
-        return self._ffn(h)[0]
+        The one layer forward: input_layernorm -> self_attn (over `cache` when given: the new
+        positions written, attention over what it holds) -> +residual -> post_attention_layernorm
+        -> MLP / MoE -> +residual."""
+        a, kl, inputs = self.self_attn(self.input_layernorm(h), positions, cache=cache, segments=segments,
+                                       compute_kl=compute_kl, want_inputs=want_inputs)
+        h = h + a
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            y, load = self.block_sparse_moe(x)
+        else:
+            y, load = self.mlp(x), None
+        return h + y, kl, load, inputs
 
 
 class M3Model(nn.Module):
@@ -394,62 +281,75 @@ class M3ForCausalLM(nn.Module):
         compute_kl: bool = True,
         return_attn_inputs: bool = False,
         output_hidden_states: bool = False,
+        *,
+        cache: KVCacheProtocol | None = None,
+        taps: Sequence[int] | None = None,
+        logits_to_keep: int = 0,
     ) -> M3Output:
         """input_ids [B, T] -> M3Output(logits [B,T,V], loss, kl, expert_load [n_moe, E], ...).
 
         labels follow HF (== input_ids, shifted inside; -100 ignored).  `output_hidden_states`
-        gives the residual stream: [0] the embeddings, [i + 1] after layer i (before the final norm).
-        """
+        gives the residual stream: [0] the embeddings, [i + 1] after layer i (before the final norm);
+        `taps` (layer ids) gives `out.taps`, the residual stream after those layers concatenated
+        [B, T, len(taps) * H].  `logits_to_keep` > 0: logits of the last that many positions only.
+
+        With `cache` (a `msakit.cache.KVCacheProtocol`: generation, speculative verification) the
+        T tokens are new positions (`cache.positions` unless `positions` is given): every layer
+        writes their keys into the cache and attends what it holds; no KL, no expert load, no
+        attention inputs, no packed batches."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape [B, T], got {tuple(input_ids.shape)}")
         B, T = input_ids.shape
-        segments = document_segments(cu_seqlens, B, T)
-        if positions is None and len(segments) > 1:
-            positions = segment_positions(segments, T, input_ids.device)
+        if cache is not None:
+            if cu_seqlens is not None or return_attn_inputs:
+                raise ValueError("cache: cu_seqlens and return_attn_inputs are for full-sequence forwards only")
+            segments = None
+            compute_kl = False
+            if positions is None:
+                positions = cache.positions(B, T, input_ids.device)
+        else:
+            segments = document_segments(cu_seqlens, B, T)
+            if positions is None and len(segments) > 1:
+                positions = segment_positions(segments, T, input_ids.device)
+        want = {} if taps is None else {int(t): i for i, t in enumerate(taps)}
+        if any(not 0 <= t < len(self.model.layers) for t in want):
+            raise ValueError(f"taps must lie in [0, {len(self.model.layers)}), got {list(taps)}")
         h = self.model.embed_tokens(input_ids)
         kls: list[torch.Tensor] = []
         loads: list[torch.Tensor] = []
         inputs: list[dict[str, Any]] = []
         hidden = [h] if output_hidden_states else None
-        ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.model.layers:
+        tapped: list[torch.Tensor | None] = [None] * len(want)
+        ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None
+        for i, layer in enumerate(self.model.layers):
             if ckpt:
-                h, kl, load, inp = checkpoint(layer, h, positions, segments, compute_kl, return_attn_inputs,
+                h, kl, load, inp = checkpoint(layer, h, positions, None, segments, compute_kl, return_attn_inputs,
                                               use_reentrant=False)
             else:
-                h, kl, load, inp = layer(h, positions, segments, compute_kl, return_attn_inputs)
+                h, kl, load, inp = layer(h, positions, cache, segments, compute_kl, return_attn_inputs)
             if kl is not None:
                 kls.append(kl)
-            if load is not None:
+            if load is not None and cache is None:
                 loads.append(load)
             if return_attn_inputs:
                 inputs.append(inp)
             if hidden is not None:
                 hidden.append(h)
-        logits = self.lm_head(self.model.norm(h))
+            if i in want:
+                tapped[want[i]] = h
+        if cache is not None:
+            cache.advance(T)
+        hk = h[:, -logits_to_keep:] if 0 < logits_to_keep < T else h
+        logits = self.lm_head(self.model.norm(hk))
+        tap = torch.cat(tapped, dim=-1) if tapped else None
+        if cache is not None:
+            return M3Output(logits=logits, hidden_states=hidden, taps=tap)
         kl_total = torch.stack([x.float() for x in kls]).sum() if kls else torch.zeros((), device=h.device)
         E = self.config.num_local_experts
         expert_load = torch.stack(loads) if loads else torch.zeros(0, E, device=h.device)
         loss = lm_loss(logits, labels, segments) if labels is not None else None
         return M3Output(logits=logits, loss=loss, kl=kl_total, expert_load=expert_load,
-                        attn_inputs=inputs if return_attn_inputs else None, hidden_states=hidden)
-
-    @torch.no_grad()
-    def forward_cached(self, input_ids: torch.Tensor, cache: Any, *, last_only: bool = True) -> torch.Tensor:
-        """Run the new tokens input_ids [B, Tq] at positions cache.length .. + Tq, appending their
-        keys to `cache` (`msakit.generate.KVCache`).  Returns the logits of the last position
-        [B, V] (or of all new positions [B, Tq, V] with last_only=False)."""
-        B, Tq = input_ids.shape
-        start = cache.length
-        positions = torch.arange(start, start + Tq, device=input_ids.device).unsqueeze(0).expand(B, Tq)
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer.forward_cached(h, positions, cache)
-        cache.advance(Tq)
-        if last_only:
-            h = h[:, -1:]
-        logits = self.lm_head(self.model.norm(h))
-        return logits[:, -1] if last_only else logits
+                        attn_inputs=inputs if return_attn_inputs else None, hidden_states=hidden, taps=tap)
 
     # -- routing balance ---------------------------------------------------------------------
     @torch.no_grad()

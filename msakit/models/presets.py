@@ -6,8 +6,10 @@
   size is passed (``M3Config.preset("tiny", vocab_size=tok.vocab_size)``).
 - ``small``: one GPU.  Hidden 512, 8 layers, 8 / 2 heads of 64, index dim 64, rotary 32, 16
   experts top-4 + 1 shared of width 256, blocks of 64, top-8 blocks, context 8192.
-- ``minimax-m3`` and ``minimax-m3.1-flash``: the reconstructed HF config fixtures, shipped as
-  package data under ``msakit/models/configs/`` (see ../shared/fixtures/README.md).
+- ``minimax-m3`` and ``minimax-m3.1-flash``: HF configs reconstructed from the fields public
+  loaders (vLLM, transformers, ModelOpt's mixed-precision export) read from the released
+  checkpoints, not official files; shipped as package data under ``msakit/models/configs/``
+  (the same files as ``tests/fixtures/*/config.json``).
 """
 
 from __future__ import annotations
@@ -21,27 +23,29 @@ from msakit.models.config import PRESETS, M3Config
 __all__ = ["get_preset", "PRESETS", "preset_names"]
 
 
-def _tiny(L: int) -> dict[str, Any]:
+def _built(L: int, **sizes: Any) -> dict[str, Any]:
+    """The tiny / small pattern for L layers: layer 0 dense MLP, the rest MoE (1 shared expert),
+    MSA in every layer with one index head per KV group (2), a local block and no init block."""
     return dict(
-        vocab_size=4096, hidden_size=128, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0, rotary_dim=16,
-        dense_intermediate_size=256, intermediate_size=128, shared_intermediate_size=128, n_shared_experts=1,
-        num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.0,
-        moe_layer_freq=[0] + [1] * (L - 1), sparse_attention_freq=[1] * L,
-        index_n_heads=2, index_head_dim=32, index_block_size=32, index_topk_blocks=4, index_local_blocks=1,
-        index_init_blocks=0,
+        vocab_size=4096, num_hidden_layers=L, num_key_value_heads=2, rms_norm_eps=1e-6, n_shared_experts=1,
+        routed_scaling_factor=2.0, moe_layer_freq=[0] + [1] * (L - 1), sparse_attention_freq=[1] * L,
+        index_n_heads=2, index_local_blocks=1, index_init_blocks=0, **sizes,
+    )
+
+
+def _tiny(L: int) -> dict[str, Any]:
+    return _built(
+        L, hidden_size=128, num_attention_heads=4, head_dim=32, max_position_embeddings=1024, rope_theta=10000.0,
+        rotary_dim=16, dense_intermediate_size=256, intermediate_size=128, shared_intermediate_size=128,
+        num_local_experts=8, num_experts_per_tok=2, index_head_dim=32, index_block_size=32, index_topk_blocks=4,
     )
 
 
 def _small(L: int) -> dict[str, Any]:
-    return dict(
-        vocab_size=4096, hidden_size=512, num_hidden_layers=L, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rotary_dim=32,
-        dense_intermediate_size=1536, intermediate_size=256, shared_intermediate_size=256, n_shared_experts=1,
-        num_local_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.0,
-        moe_layer_freq=[0] + [1] * (L - 1), sparse_attention_freq=[1] * L,
-        index_n_heads=2, index_head_dim=64, index_block_size=64, index_topk_blocks=8, index_local_blocks=1,
-        index_init_blocks=0,
+    return _built(
+        L, hidden_size=512, num_attention_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=1_000_000.0,
+        rotary_dim=32, dense_intermediate_size=1536, intermediate_size=256, shared_intermediate_size=256,
+        num_local_experts=16, num_experts_per_tok=4, index_head_dim=64, index_block_size=64, index_topk_blocks=8,
     )
 
 

@@ -14,12 +14,17 @@ over those selected tokens, exactly as in sparse mode; only the main branch's ou
 selection.  This is the seed's full-attention warm-up.  The index branch reads `hidden.detach()`
 (the seed's stop-gradient on the indexer's input), and P is detached inside `index_kl_loss`, so
 the KL term never reaches the backbone.
+
+Decoding uses the same module with a cache (`msakit.cache.KVCacheProtocol`): the new positions'
+k, v and index keys are written into it, and the cache attends (dense, or MSA: the indexer's top-k
+blocks over every held index key) -- contiguous, paged (`msa_decode`) and speculative caches alike.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +32,9 @@ from torch import nn
 from msakit import ops
 from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from msakit.cache.base import KVCacheProtocol
 
 MODES = ("dense", "sparse")
 
@@ -62,20 +70,96 @@ class MSAConfig:
         check_selection(self.block_size, self.topk, self.local_blocks, self.init_blocks)
 
 
+
+def msa_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_idx: torch.Tensor | None,
+    k_idx: torch.Tensor | None,
+    sel: MSAConfig,
+    *,
+    mode: str,
+    compute_kl: bool,
+    need_block_idx: bool = False,
+    segments: Sequence[tuple[int, int]] | None = None,
+    softmax_scale: float | None = None,
+    select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One layer's attention core on projected tensors (full sequences: training, prefill).
+
+    q [B,T,Hq,D], k/v [B,T,G,D], q_idx [B,T,G,Di] / k_idx [B,T,Di] (None: a dense layer without an
+    index branch).  Returns (o [B,T,Hq,D], KL term or None, block_idx [B,G,T,K] or None).  The
+    selection (`select(q_idx, k_idx)`, default `ops.index_topk` with sel's settings) is made
+    when the mode is "sparse", the KL is wanted or `need_block_idx`; per document when
+    `segments` has several entries (KL averaged over all query rows).
+    """
+    T = q.shape[1]
+    segments = segments or [(0, T)]
+    has_index = q_idx is not None
+    do_select = has_index and (mode == "sparse" or compute_kl or need_block_idx)
+    if select is None:
+        def select(qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return ops.index_topk(qi, ki, block_size=sel.block_size, topk=sel.topk,
+                                      local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
+    outs, bidxs = [], []
+    kl = None
+    for s, e in segments:
+        whole = (s, e) == (0, T)
+        qs, ks, vs = (q, k, v) if whole else (q[:, s:e], k[:, s:e], v[:, s:e])
+        bi = None
+        if do_select:
+            qis, kis = (q_idx, k_idx) if whole else (q_idx[:, s:e], k_idx[:, s:e])
+            bi = select(qis, kis)
+            bidxs.append(bi)
+        if mode == "sparse" and bi is not None:
+            o = ops.sparse_attention(qs, ks, vs, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
+        else:
+            o = ops.dense_attention(qs, ks, vs, softmax_scale=softmax_scale)
+        outs.append(o)
+        if compute_kl and bi is not None:
+            term = ops.index_kl_loss(qs, ks, qis, kis, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
+            term = term if whole else term * ((e - s) / T)
+            kl = term if kl is None else kl + term
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    block_idx = None
+    if bidxs:
+        block_idx = bidxs[0] if len(bidxs) == 1 else torch.cat(bidxs, dim=2)
+    return o, kl, block_idx
+
+
+def selection_info(sel: MSAConfig, segments: Sequence[tuple[int, int]] | None) -> dict[str, Any]:
+    """The selection settings stored beside each layer's attn_inputs (block ids are relative to
+    each document's start when the batch was packed: `cu_seqlens` is then given too)."""
+    info: dict[str, Any] = dict(block_size=sel.block_size, topk=sel.topk, local_blocks=sel.local_blocks,
+                                init_blocks=sel.init_blocks)
+    if segments is not None and len(segments) > 1:
+        info["cu_seqlens"] = torch.tensor([0] + [e for _, e in segments], dtype=torch.int32)
+    return info
+
+
 class MSAAttention(nn.Module):
-    """MSA attention layer.  `forward(hidden [B,T,H]) -> (out [B,T,H], kl scalar or None)`.
+    """MSA attention layer: project, attend (no cache: the whole sequence; with a cache: the new
+    positions over what the cache holds), o_proj.  `forward(hidden [B,T,H], positions, cache=None)
+    -> (out [B,T,H], kl scalar or None, attention inputs or None)`.
 
     Parameter names follow the HF MiniMax-M3 checkpoint (under `self_attn.`): q_proj, k_proj,
     v_proj, o_proj, q_norm, k_norm, index_q_proj, index_k_proj, index_q_norm, index_k_norm.
 
     With `index_branch=False` the layer is a plain dense GQA layer (M3's layers 0-2): the index
     projections are not created, `project` returns None for q_idx and k_idx, the mode stays
-    "dense" and `forward` returns kl None.
+    "dense" and `forward` returns kl None.  `layer_idx` names the layer in a cache shared by all
+    layers of a model.
     """
 
-    def __init__(self, cfg: MSAConfig, mode: str = "sparse", *, index_branch: bool = True) -> None:
+    def __init__(self, cfg: MSAConfig, mode: str = "sparse", *, index_branch: bool = True, layer_idx: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer_idx = int(layer_idx)  # this layer's slot in a cache shared by all layers
+        # full-sequence attention hook: None (`msa_attend`) or an object whose `attend` takes
+        # msa_attend's arguments (context parallelism: msakit.distributed.ContextParallel)
+        self.context = None
         self.index_branch = bool(index_branch)
         self.mode = mode if self.index_branch else "dense"
         H, Hq, G, D, Di = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_dim
@@ -128,6 +212,7 @@ class MSAAttention(nn.Module):
         return q, k, v, q_idx, k_idx
 
     def select(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+        """The indexer's top-k blocks: q_idx [B,T,G,Di], k_idx [B,T,Di] -> block_idx int32 [B,G,T,K]."""
         c = self.cfg
         with torch.no_grad():
             return ops.index_topk(
@@ -135,23 +220,39 @@ class MSAAttention(nn.Module):
             )
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor | None = None, *, compute_kl: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden [B,T,H] -> (out [B,T,H], layer KL term (scalar) or None when compute_kl is False)."""
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        cache: "KVCacheProtocol | None" = None,
+        segments: Sequence[tuple[int, int]] | None = None,
+        compute_kl: bool = True,
+        want_inputs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any] | None]:
+        """hidden [B,T,H] -> (out [B,T,H], KL term (scalar) or None, attention inputs or None).
+
+        Without a cache (training, full sequences): `msa_attend` (or `self.context.attend` when a
+        context is set) over the T positions (per document with `segments`), the KL term when `compute_kl` and the layer has an index
+        branch, the detached q, k, q_idx, k_idx, block_idx and selection settings with
+        `want_inputs`.  With a cache (`msakit.cache.KVCacheProtocol`): the new positions' k, v and
+        index keys are written into it and q attends everything it holds for layer `layer_idx`
+        (dense or MSA by `mode`); no KL, no inputs."""
         c = self.cfg
-        q, k, v, q_idx, k_idx = self.project(hidden, positions)
-        compute_kl = compute_kl and self.index_branch
-        need_sel = self.mode == "sparse" or compute_kl
-        block_idx = self.select(q_idx, k_idx) if need_sel else None
-        if self.mode == "sparse":
-            o = ops.sparse_attention(q, k, v, block_idx, block_size=c.block_size, validate=False)
-        else:
-            o = ops.dense_attention(q, k, v)
-        kl = None
-        if compute_kl:
-            kl = ops.index_kl_loss(q, k, q_idx, k_idx, block_idx, block_size=c.block_size, validate=False)
         B, T = hidden.shape[:2]
-        return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim)), kl
+        q, k, v, q_idx, k_idx = self.project(hidden, positions)
+        kl = inputs = None
+        if cache is None:
+            attend = msa_attend if self.context is None else self.context.attend
+            o, kl, bidx = attend(q, k, v, q_idx, k_idx, c, mode=self.mode, compute_kl=compute_kl,
+                                 need_block_idx=want_inputs, segments=segments, select=self.select)
+            if want_inputs:
+                det = lambda t: None if t is None else t.detach()  # noqa: E731
+                inputs = dict(q=det(q), k=det(k), q_idx=det(q_idx), k_idx=det(k_idx), block_idx=bidx,
+                              **selection_info(c, segments))
+        else:
+            cache.write(self.layer_idx, k, v, k_idx)
+            o = cache.attend(self.layer_idx, q, q_idx, c, self.mode)
+        return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim)), kl, inputs
 
     def reset_parameters(self, std: float = 0.02) -> None:
         lins = (self.q_proj, self.k_proj, self.v_proj)

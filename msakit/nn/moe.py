@@ -27,7 +27,7 @@ from torch import nn
 
 from msakit.nn.mlp import SwiGLUMLP, swiglu_oai
 
-__all__ = ["route", "grouped_mm", "GroupedExperts", "MoE"]
+__all__ = ["route", "grouped_mm", "grouped_mm_ok", "grouped_mm_failed", "compute_dtype", "GroupedExperts", "MoE"]
 
 
 def route(
@@ -56,7 +56,8 @@ def _aligned(n: int, t: torch.Tensor) -> bool:
     return (n * t.element_size()) % 16 == 0
 
 
-def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when `torch._grouped_mm` can multiply x [M, K] by w [E, K, N] (dtype, device, alignment)."""
     if not hasattr(torch, "_grouped_mm") or x.device.type not in ("cuda", "cpu"):
         return False
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dtype != w.dtype:
@@ -75,15 +76,16 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: tor
     if offs is None:
         offs = counts.cumsum(0).to(torch.int32)
     key = (x.device.type, x.dtype)
-    if key not in _GMM_FAILED and _grouped_mm_ok(x, w):
+    if key not in grouped_mm_failed and grouped_mm_ok(x, w):
         try:
             return torch._grouped_mm(x.contiguous(), w, offs=offs)
         except (RuntimeError, NotImplementedError):  # e.g. a build without this device's kernel
-            _GMM_FAILED.add(key)
+            grouped_mm_failed.add(key)
     return _padded_bmm(x, w, counts, offs)
 
 
-_GMM_FAILED: set[tuple[str, torch.dtype]] = set()
+# (device type, dtype) pairs where torch._grouped_mm raised: grouped_mm uses the padded bmm there.
+grouped_mm_failed: set[tuple[str, torch.dtype]] = set()
 
 
 def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -122,7 +124,7 @@ class GroupedExperts(nn.Module):
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """xs [M, H] sorted by expert (counts[e] rows for expert e) -> [M, H]."""
         w1, w3, w2 = self.expert_weights()
-        dt = _compute_dtype(xs, w1)
+        dt = compute_dtype(xs, w1)
         x = xs.to(dt)
         offs = counts.cumsum(0).to(torch.int32)
         g = grouped_mm(x, w1.to(dt).transpose(1, 2), counts, offs)
@@ -152,11 +154,19 @@ class GroupedExperts(nn.Module):
                 f"alpha={self.alpha}, limit={self.limit}")
 
 
-def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in for input `x` and weight `w`: autocast's dtype where
+    autocast is on for x's device, else w's dtype."""
     dev = x.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return w.dtype
+
+
+# Old private names, kept until msakit/generate.py imports the public ones.
+_GMM_FAILED = grouped_mm_failed
+_compute_dtype = compute_dtype
+_grouped_mm_ok = grouped_mm_ok
 
 
 class MoE(nn.Module):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from .dense import dense_attention
+from .fp8 import quantize_fp8
 from .index_kl import index_kl_loss
 from .index_topk import check_selection, index_topk
 from .sparse_attention import sparse_attention
 
-__all__ = ["index_topk", "sparse_attention", "msa_attention", "dense_attention", "index_kl_loss"]
+__all__ = ["index_topk", "sparse_attention", "msa_attention", "dense_attention", "index_kl_loss", "quantize_fp8"]
 
 
 def msa_attention(

@@ -1,6 +1,6 @@
 """The ModelOpt ``MIXED_PRECISION`` checkpoint layout of the released MiniMax checkpoints.
 
-Tensors (safetensors, HF names; ../shared/reference/quant.md section 4):
+Tensors (safetensors, HF names; the layout of ModelOpt's mixed MXFP8 / NVFP4 export, docs/formats.md):
 
 | module | tensors |
 |---|---|
@@ -46,9 +46,9 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from msakit.cost import read_config_json
+from msakit.config_io import read_config_json
 
-from .formats import _E8M0, mxfp8_quantize
+from .formats import E8M0_DTYPE, mxfp8_quantize
 from .linear import (
     PackedEmbedding,
     PackedExperts,
@@ -74,7 +74,6 @@ __all__ = [
 HF_QUANT_CONFIG = "hf_quant_config.json"
 _PACKED_STACK = re.compile(
     r"^(?P<pre>.*\.experts)\.(?P<w>w[123])_(?P<s>weight|weight_scale|weight_scale_2|weight_scale_inv|input_scale)$")
-_FLOAT_STACK = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
 _FREEZE = ("auto", "all", "none")
 
 
@@ -253,61 +252,47 @@ def _packed_skeleton(model: nn.Module, plan: Mapping[str, str], dtype: torch.dty
 
 
 def _target_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor to copy into) for a skeleton model: views of the stacked buffers."""
-    for name, t in model.state_dict().items():
-        m = _PACKED_STACK.match(name)
-        if m:
-            for e in range(t.shape[0]):
-                yield f"{m['pre']}.{e}.{m['w']}.{m['s']}", t[e]
-            continue
-        m = _FLOAT_STACK.match(name)
-        if m:
-            for e in range(t.shape[0]):
-                yield f"{m['pre']}.{e}.{m['w']}.weight", t[e]
-            continue
-        yield name, t
+    """(checkpoint name, tensor to copy into) for a skeleton model: views of the stacked buffers
+    (float expert stacks split by `hf_state_items`, packed ones here)."""
+    from msakit.models.io import hf_state_items, split_stacked
+
+    return split_stacked(hf_state_items(model), _PACKED_STACK, "{pre}.{e}.{w}.{s}")
 
 
 _EXACT = (torch.uint8, torch.float8_e4m3fn)
 
 
+def _check_stored(raw: str, name: str, sl: Any, tgt: torch.Tensor) -> str | None:
+    """A stored tensor's problem (shape, or dtype against the packed layout), or None."""
+    shape = tuple(sl.get_shape())
+    if shape != tuple(tgt.shape) and not (tgt.dim() == 0 and shape in ((1,), ())):
+        return f"{raw} shape {list(shape)} (expected {list(tgt.shape)})"
+    dt = sl.get_dtype()
+    if tgt.dtype in _EXACT:
+        ok = {torch.uint8: ("U8",) + (("F8_E8M0",) if name.endswith("weight_scale_inv") else ()),
+              torch.float8_e4m3fn: ("F8_E4M3",)}[tgt.dtype]
+        if dt not in ok:
+            return f"{raw} dtype {dt} (expected {ok[0]})"
+    elif dt not in ("F32", "BF16", "F16", "F64"):
+        return f"{raw} dtype {dt} (expected a float tensor)"
+    return None
+
+
+def _as_stored(src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    if E8M0_DTYPE is not None and src.dtype == E8M0_DTYPE:
+        src = src.view(torch.uint8)
+    return src.reshape(tgt.shape) if tgt.dim() == 0 else src
+
+
 @torch.no_grad()
 def _load_tensors(model: nn.Module, folder: Path) -> None:
-    from msakit.models.io import _few, _match_names, _name_problems, _targets_in_files, weight_files
+    from msakit.models.io import copy_tensors
 
-    files = weight_files(folder)
     targets = dict(_target_items(model))
-    missing, unexpected = _match_names(files, targets)
-    for name in [n for n in missing if n.endswith(".input_scale")]:  # weight-only exports: unused on Hopper
+    absent = copy_tensors(folder, targets, what="its quantization_config", check=_check_stored,
+                          mismatch="mismatched", optional=lambda name: name.endswith(".input_scale"), convert=_as_stored)
+    for name in absent:  # weight-only exports: the input scales are unused on Hopper
         targets[name].fill_(1.0)
-        missing.discard(name)
-    problems = _name_problems(missing, unexpected)
-    bad = []
-    for f, raw, name in _targets_in_files(files, targets):
-        tgt = targets[name]
-        sl = f.get_slice(raw)
-        shape = tuple(sl.get_shape())
-        if shape != tuple(tgt.shape) and not (tgt.dim() == 0 and shape in ((1,), ())):
-            bad.append(f"{raw} shape {list(shape)} (expected {list(tgt.shape)})")
-            continue
-        dt = sl.get_dtype()
-        if tgt.dtype in _EXACT:
-            ok = {torch.uint8: ("U8",) + (("F8_E8M0",) if name.endswith("weight_scale_inv") else ()),
-                  torch.float8_e4m3fn: ("F8_E4M3",)}[tgt.dtype]
-            if dt not in ok:
-                bad.append(f"{raw} dtype {dt} (expected {ok[0]})")
-        elif dt not in ("F32", "BF16", "F16", "F64"):
-            bad.append(f"{raw} dtype {dt} (expected a float tensor)")
-    if bad:
-        problems.append(f"mismatched {_few(bad, 4)}")
-    if problems:
-        raise ValueError(f"checkpoint {folder} does not match its quantization_config: " + "; ".join(problems))
-    for f, raw, name in _targets_in_files(files, targets):
-        src = f.get_tensor(raw)
-        if _E8M0 is not None and src.dtype == _E8M0:
-            src = src.view(torch.uint8)
-        tgt = targets[name]
-        tgt.copy_(src.reshape(tgt.shape) if tgt.dim() == 0 else src)
 
 
 def load_quantized(path: str | Any, *, device: Any = None, dtype: torch.dtype | None = None, mode: str = "sparse",

@@ -42,19 +42,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from msakit.nn.mlp import swiglu_oai
+from msakit.ops.dispatch import use_triton
 from msakit.nn.moe import GroupedExperts, grouped_mm
 
 from .formats import (
     NVFP4_GLOBAL_DIVISOR,
     SCALE_RULES,
-    _use_triton,
     mxfp8_dequantize,
     mxfp8_fake_quantize,
     mxfp8_quantize,
     nvfp4_dequantize,
 )
 from .formats.reference import (
-    _pow2,
+    pow2,
     e2m1_codes,
     e2m1_round,
     e4m3_round,
@@ -152,7 +152,7 @@ def nvfp4_quantize_grouped(
     (packed uint8 [*lead, N, K/2], block scales float8_e4m3fn [*lead, N, K/16]).  Bit-equal to
     `nvfp4_quantize(x[i], global_scale=global_scales[i])` for every i; one kernel launch."""
     xg, gs = _groups(x, global_scales)
-    if _use_triton("nvfp4_quantize", backend, x.device):
+    if use_triton("nvfp4_quantize", backend, x.device):
         from .formats.triton import nvfp4_quantize_triton
 
         packed, bs = nvfp4_quantize_triton(xg, gs.to(device=x.device, dtype=torch.float32))  # one scale per group
@@ -170,7 +170,7 @@ def nvfp4_fake_quantize_grouped(
     launch: the float32 value (e2m1 * block_scale) * global_scale rounded once to out_dtype."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     xg, gs = _groups(x, global_scales)
-    if _use_triton("nvfp4_fake_quantize", backend, x.device):
+    if use_triton("nvfp4_fake_quantize", backend, x.device):
         from .formats.triton import nvfp4_fake_quantize_triton
 
         out = nvfp4_fake_quantize_triton(xg, gs.to(device=x.device, dtype=torch.float32), out_dtype=out_dtype)
@@ -234,7 +234,7 @@ def mxfp8_quantize_with_scales(x: torch.Tensor, scales: torch.Tensor) -> torch.T
     e = scales.to(torch.int32) - 127  # unbiased exponent in [-127, 127] (255 = NaN is rejected by callers)
     neg = -e
     # 2^-e is a normal float32 for -e in [-126, 127]; -e = -127 (byte 254) is applied in two exact halves
-    f1 = _pow2(torch.clamp(neg, min=-126))
+    f1 = pow2(torch.clamp(neg, min=-126))
     f2 = torch.where(neg < -126, torch.full_like(f1, 0.5), torch.ones_like(f1))
     q = xb * f1.unsqueeze(-1) * f2.unsqueeze(-1)
     mag = e4m3_round(q)

@@ -39,10 +39,12 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
+
+from msakit.models.io import few_names
 
 __all__ = [
     "FORMATS",
@@ -228,11 +230,11 @@ def resolve_plan(model: Any, plan: Mapping[str, str], *, complete: bool = False)
     entries = _entries_by_name(model)
     unknown = [n for n in plan if _strip(n) not in entries]
     if unknown:
-        raise ValueError(f"plan names {len(unknown)} module(s) the model does not have: {_few(unknown)}")
+        raise ValueError(f"plan names {len(unknown)} module(s) the model does not have: {few_names(unknown, 5)}")
     if complete:
         missing = [n for n in entries if n not in plan and not any(_strip(k) == n for k in plan)]
         if missing:
-            raise ValueError(f"plan leaves out {len(missing)} weight matrix(es): {_few(missing)}")
+            raise ValueError(f"plan leaves out {len(missing)} weight matrix(es): {few_names(missing, 5)}")
     fmts = {_strip(n): f for n, f in plan.items()}
     out = []
     for name, entry in entries.items():
@@ -328,11 +330,6 @@ def _strip(name: str) -> str:
     return name
 
 
-def _few(names: Iterable[str], n: int = 5) -> str:
-    names = list(names)
-    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
-
-
 def _pattern_matches(pattern: str, name: str) -> bool:
     """ModelOpt-style module pattern: ``re:<regex>`` (full match), else a glob / exact name.
     Tried on the bare name and with the ``language_model.`` prefix of the VL checkpoints."""
@@ -404,7 +401,7 @@ def plan_from_quant_config(qcfg: Mapping[str, Any], model: Any) -> dict[str, str
     stray = [k for k in explicit if k not in names]
     if stray:
         raise ValueError(f"quantization_config.quantized_layers names {len(stray)} module(s) the model does not have: "
-                         f"{_few(stray)}")
+                         f"{few_names(stray, 5)}")
     plan: dict[str, str] = {}
     for e in entries:
         fmt = explicit.get(e.name)

@@ -251,8 +251,7 @@ def _qat_weights(mod: nn.Module) -> dict[str, torch.Tensor]:
 def capture_weight_refresh(model: nn.Module, dtype: torch.dtype = torch.bfloat16, *, graph: bool | None = None) -> int:
     """Recompute all fake-quantized weights of a QAT model together after each optimizer step,
     as one CUDA graph (graph=None: on CUDA) instead of one Python call and a few launches per
-    weight (~16 ms per step for the 59M-parameter benchmark model on the H200, most of it launch
-    and Python overhead).  dtype: the compute dtype of the forward (bfloat16 under autocast);
+    weight (launch and Python overhead; benchmarks/NOTES.md has the per-step cost).  dtype: the compute dtype of the forward (bfloat16 under autocast);
     a module asked for another dtype, or holding frozen scales, keeps the per-module path.
     Weights must keep their storage (in-place optimizer updates).  Returns the member count."""
     st = _state(model)

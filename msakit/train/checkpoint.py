@@ -11,7 +11,7 @@ Layout of a run folder::
 Writing goes into ``checkpoints/.tmp-...``; every file is fsynced, the manifest written last, the
 folder renamed to ``step-N`` and only then ``latest`` replaced (os.replace, fsync of the folder).
 An interruption at any point (Ctrl-C included) leaves ``latest`` naming the previous complete
-checkpoint; older checkpoints are pruned only after the new one is in place.  Loading checks every
+checkpoint; older checkpoints are pruned only after the new one is in place (``keep`` 0 keeps all).  Loading checks every
 file against the manifest (a missing, extra-modified or corrupt file is a `CheckpointError`).
 """
 
@@ -254,14 +254,16 @@ def _write_latest(root: Path, name: str) -> None:
 
 
 def _prune(root: Path, keep: int, current: str) -> None:
-    steps = sorted(p.name for p in root.glob("step-*") if p.is_dir())
+    """Keep `current` and the `keep - 1` newest checkpoints before it (keep 0: all).  Checkpoints of
+    later steps than `current` (left by a run resumed from an older checkpoint, e.g. because the
+    newest was corrupt) are neither counted nor removed: the checkpoint resumed from survives."""
+    older = sorted(p.name for p in root.glob("step-*") if p.is_dir() and p.name < current)
     for stale in root.glob(".tmp-*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
     if keep > 0:
-        for n in steps[:-keep]:
-            if n != current:
-                shutil.rmtree(root / n, ignore_errors=True)
+        for n in older[: max(0, len(older) - (keep - 1))]:
+            shutil.rmtree(root / n, ignore_errors=True)
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path | None:

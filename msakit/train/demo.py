@@ -12,8 +12,11 @@
    expert load balance; a generated sample;
 5. ``runs/demo/``: report.md, metrics.jsonl, loss.png, recall.png, the checkpoint and tokenizer.
 
-The run is written into a temporary folder beside ``--out`` and moved into place at the end, so
-an interrupted or failed demo leaves the previous ``runs/demo`` untouched.
+``--out`` must be new, empty, or an earlier demo's output (its ``.msakit-demo.json`` lists what
+the demo wrote there, and nothing else is in it); anything else is refused before any work, so no
+user file is ever replaced.  The run is written into a temporary folder (beside a new ``--out`` or
+inside an empty one) and moved into place at the end; a failed, interrupted (Ctrl-C) or terminated
+(SIGTERM, through ``msakit.cli``) demo removes it and leaves ``--out`` as it was.
 """
 
 from __future__ import annotations
@@ -43,20 +46,27 @@ BAR = 0.03
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 
 
+DEMO_MARKER = ".msakit-demo.json"
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from msakit.train.run import POS_FLOAT, POS_INT, SEED, Number, add_device_arg
+
     p = subparsers.add_parser(
         "demo", help="train the tiny M3 model on the stdlib corpus in ~3 minutes and report dense vs sparse",
         description=__doc__.split("\n\n")[0] + "  Writes report.md, metrics.jsonl and loss.png under --out.")
     p.add_argument("--preset", choices=tuple(PROFILES), default="tiny", help="tiny (CPU, default) or small (GPU)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
-    p.add_argument("--out", default="runs/demo", metavar="DIR", help="output folder (default runs/demo)")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    add_device_arg(p)
+    p.add_argument("--out", default="runs/demo", metavar="DIR",
+                   help="output folder: new, empty or an earlier demo's output (default runs/demo)")
+    p.add_argument("--budget", type=POS_FLOAT, default=None, metavar="SECONDS",
                    help="wall-time budget of the whole demo (default 180 for tiny, 600 for small)")
-    p.add_argument("--steps", type=int, default=None, metavar="N", help="train exactly N steps (no time planning)")
+    p.add_argument("--steps", type=Number(int, 2), default=None, metavar="N",
+                   help="train exactly N steps (no time planning)")
     p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="extra files or folders for the corpus")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the generated sample")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch (default: torch's)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the initialisation, data order and sample")
+    p.add_argument("--threads", type=POS_INT, default=None, metavar="N", help="CPU threads for torch (default: torch's)")
     p.add_argument("--cache-dir", metavar="DIR", help="tokenizer / token cache (default $MSAKIT_CACHE or ~/.cache/msakit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
@@ -95,13 +105,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from msakit.train.data import eval_batches, prepare_data
     from msakit.train.metrics import autocast_for
     from msakit.train.plots import write_plots
-    from msakit.train.run import TextStreamer, check_context
+    from msakit.train.run import TextStreamer, check_context, first_missing_ancestor
     from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, read_metrics, resolve_device
 
     t_start = time.time()
     prof = dict(PROFILES[args.preset])
     budget = float(args.budget if args.budget is not None else prof["budget_s"])
-    if budget <= 0:
+    if not budget > 0:
         raise ValueError(f"--budget must be positive, got {budget}")
     if args.steps is not None and args.steps < 2:
         raise ValueError(f"--steps must be at least 2, got {args.steps}")
@@ -111,15 +121,13 @@ def run_demo(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be positive, got {args.threads}")
         torch.set_num_threads(args.threads)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    mode = output_mode(out)  # refuses a folder that holds anything but an earlier demo's output
     log = lambda msg: print(msg, flush=True)  # noqa: E731
 
     torch.manual_seed(args.seed)
     mcfg0 = M3Config.preset(args.preset, vocab_size=prof["vocab_size"])
     check_context(mcfg0, prof["context"])
-    max_steps = args.steps or prof["max_steps"]
+    max_steps = args.steps if args.steps is not None else prof["max_steps"]
     B, T = prof["batch_size"], prof["context"]
     log(f"msakit demo: preset {args.preset} on {device} ({torch.get_num_threads()} threads), budget {budget:.0f}s")
 
@@ -148,7 +156,14 @@ def run_demo(args: argparse.Namespace) -> int:
         f"MSA block {mcfg.index_block_size} top-{mcfg.index_topk_blocks} at context {T}, {E} experts top-{k_act}")
 
     # 3. train -----------------------------------------------------------------------------------
-    work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-tmp-"))
+    created = None
+    if mode == "empty":
+        work = Path(tempfile.mkdtemp(dir=out, prefix=".demo-tmp-"))
+    else:
+        parent = Path(os.path.abspath(out)).parent
+        created = first_missing_ancestor(parent)
+        parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=parent, prefix=f".{Path(os.path.abspath(out)).name}-tmp-"))
     os.chmod(work, 0o777 & ~_umask())
     try:
         cfg = TrainConfig(steps=max_steps, batch_size=B, lr=prof["lr"], lr_warmup_steps=prof["lr_warmup_steps"],
@@ -248,9 +263,11 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         (work / "report.md").write_text(_report(info, out), encoding="utf-8")
         tok.save(work)
-        _swap_into_place(work, out)
+        move_into_place(work, out, mode)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         raise
     _print_summary(info, out)
     return 0
@@ -270,9 +287,53 @@ class _NullStream:
         pass
 
 
-def _swap_into_place(work: Path, out: Path) -> None:
+def _demo_files(out: Path) -> set[str] | None:
+    """The entries an earlier demo wrote into `out` (from its marker), None if it has no marker."""
+    try:
+        names = json.loads((out / DEMO_MARKER).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {str(n) for n in names} if isinstance(names, list) else None
+
+
+def output_mode(out: Path) -> str:
+    """How the demo may write `out`: "new" (missing), "empty" (an empty folder) or "replace" (an
+    earlier demo's output and nothing else).  ValueError for anything else: nothing is overwritten."""
+    if not out.exists():
+        return "new"
+    if not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return "empty"
+    listed = _demo_files(out)
+    if listed is None or not set(entries) <= listed | {DEMO_MARKER}:
+        extra = [e for e in entries if listed is None or e not in listed | {DEMO_MARKER}]
+        n = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+        raise ValueError(f"--out {out} is not empty and not an earlier demo's output ({n}, e.g. {extra[0]!r}); "
+                         "choose another --out or empty it")
+    here, target = Path.cwd().resolve(), out.resolve()
+    if target == here or target in here.parents:
+        raise ValueError(f"--out {out} is the working directory (or holds it); choose another --out")
+    return "replace"
+
+
+def move_into_place(work: Path, out: Path, mode: str) -> None:
+    """Publish the finished run in `work` as `out` (see `output_mode`)."""
+    files = sorted(p.name for p in work.iterdir())
+    (work / DEMO_MARKER).write_text(json.dumps({"files": files}) + "\n", encoding="utf-8")
+    if mode == "empty":  # work lies inside out
+        if any(p.name != work.name for p in out.iterdir()):
+            raise ValueError(f"--out {out} changed while the demo ran; the run is discarded")
+        for name in files + [DEMO_MARKER]:
+            os.rename(work / name, out / name)
+        os.rmdir(work)
+        return
+    if output_mode(out) != mode:
+        raise ValueError(f"--out {out} changed while the demo ran; the run is discarded")
+    out = Path(os.path.abspath(out))
     old = None
-    if out.exists():
+    if mode == "replace":
         old = out.parent / f".{out.name}-old-{os.getpid()}-{time.time_ns()}"
         os.rename(out, old)
     os.rename(work, out)

@@ -10,6 +10,13 @@ Everything a step depends on is a function of the step number or is checkpointed
 attention mode, data-loader position, optimizer moments, RNG states, routing bias in the weights),
 so N steps straight and N/2 + resume + N/2 give the same losses (bit-identical on CPU).
 
+Several ranks (torchrun; ``Trainer(..., parallel=msakit.distributed.Parallel, fsdp=...)``): every
+rank reads the same global batch and trains on its share (its rows; under context parallelism its
+part of each sequence), gradients are averaged over the ranks (FSDP2 or an all-reduce), and the
+logged loss is the global one, equal to one process's.  Rank 0 alone logs, shows the progress bar
+and writes plots; checkpoints are sharded (DCP, ``<run>/sharded/step-N``) and resume on any number
+of ranks.  See docs/distributed.md.
+
 Ctrl-C: the loop stops at once; a checkpoint being written is discarded (its temporary folder is
 removed) and ``checkpoints/latest`` keeps naming the last complete one.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -32,6 +40,7 @@ from msakit.train.data import Batch, PackedRows, RowLoader, eval_batches
 from msakit.train.metrics import autocast_for, evaluate, load_balance, model_forward
 
 METRICS_FILE = "metrics.jsonl"
+SHARDED_DIR = "sharded"  # DCP checkpoints of runs on several ranks: <run>/sharded/step-N, <run>/sharded/latest
 
 
 @dataclass
@@ -104,7 +113,10 @@ def mode_at(cfg: TrainConfig, step: int) -> str:
 def resolve_device(name: str | None) -> torch.device:
     if name in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}: expected cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return dev
@@ -195,10 +207,30 @@ class Trainer:
         callbacks: Sequence[Callable[["Trainer", dict], None]] = (),
         progress: bool = True,
         meta: dict | None = None,
+        parallel: Any = None,
+        fsdp: bool = False,
+        activation_checkpointing: bool = False,
     ) -> None:
         self.cfg = cfg
+        # parallel: a msakit.distributed.Parallel (torchrun: data / context parallel ranks) or None (one process)
+        self.parallel = parallel
+        if parallel is not None:
+            device = parallel.env.device
+            if cfg.batch_size % parallel.dp:
+                raise ValueError(f"--batch-size {cfg.batch_size} is not a multiple of the data-parallel size "
+                                 f"{parallel.dp}")
         self.device = resolve_device(device) if not isinstance(device, torch.device) else device
         self.model = model.to(self.device)
+        self.fsdp = bool(fsdp)
+        if activation_checkpointing and not fsdp:
+            model.gradient_checkpointing_enable(True)
+        if fsdp:
+            if parallel is None or parallel.fsdp_mesh is None:
+                raise ValueError("--fsdp needs a process group: launch with torchrun")
+            from msakit.distributed.fsdp import shard_model
+
+            shard_model(self.model, parallel.fsdp_mesh, activation_checkpointing=activation_checkpointing)
+        self.is_main = parallel is None or parallel.env.is_main
         self.out_dir = Path(out_dir)
         self.tokenizer = tokenizer
         self.callbacks = list(callbacks)
@@ -218,37 +250,80 @@ class Trainer:
         self._acc: dict[str, Any] = {}
         self._t0 = time.time()
         self.tokens_seen = 0
-        torch.manual_seed(cfg.seed)
+        seed = cfg.seed
+        if parallel is not None:  # per-rank randomness; weights and data order use cfg.seed on every rank
+            from msakit.distributed.launch import rank_seed
+
+            seed = rank_seed(cfg.seed, parallel.env.rank)
+        torch.manual_seed(seed)
 
     # ------------------------------------------------------------------ one step
+    def _losses(self, batch: Batch, with_kl: bool):
+        """(LM loss, KL, what to back-propagate, expert load, CP communication) of one batch.
+
+        One process: the model's own mean losses.  Several ranks (`self.parallel`): every rank
+        reads the same global batch, takes its share (msakit.distributed.step) and back-propagates
+        world_size x that share (gradients are averaged over the ranks); the LM loss and KL
+        returned are the global ones, equal to one process's."""
+        cfg, model, par = self.cfg, self.model, self.parallel
+        with autocast_for(self.device):
+            if par is None:
+                out = model_forward(model, batch, doc_attention=cfg.doc_attention, compute_kl=with_kl)
+                lm = out.loss
+                kl = torch.as_tensor(out.kl, device=lm.device, dtype=torch.float32) if out.kl is not None \
+                    else lm.new_zeros(())
+                loss = lm.float() + cfg.kl_coef * kl.float()
+                return lm.detach(), kl.detach(), loss, getattr(out, "expert_load", None), None
+            from msakit.distributed.step import loss_shares, reduce_sum
+
+            sh = loss_shares(model, batch.input_ids, batch.labels, par,
+                             cu_seqlens=batch.cu_seqlens if cfg.doc_attention else None, compute_kl=with_kl)
+            loss = (sh.lm + cfg.kl_coef * sh.kl) * par.world_size
+        return reduce_sum(sh.lm, par), reduce_sum(sh.kl, par), loss, sh.expert_load, sh.comm
+
     def train_step(self) -> dict:
-        cfg, model = self.cfg, self.model
+        cfg, model, par = self.cfg, self.model, self.parallel
         t0 = time.time()
         mode = mode_at(cfg, self.step)
         model.set_attention_mode(mode)
         model.train()
         batch = self.loader.next_batch().to(self.device)
         with_kl = cfg.kl_coef > 0 and self.step % cfg.kl_every == 0
-        with autocast_for(self.device):
-            out = model_forward(model, batch, doc_attention=cfg.doc_attention, compute_kl=with_kl)
-            lm = out.loss
-            kl = torch.as_tensor(out.kl, device=lm.device, dtype=torch.float32) if out.kl is not None else lm.new_zeros(())
-            loss = lm.float() + cfg.kl_coef * kl.float()
-        if not torch.isfinite(loss):
+        lm, kl, loss, el, comm = self._losses(batch, with_kl)
+        if not torch.isfinite(lm.float() + cfg.kl_coef * kl.float()):
             raise FloatingPointError(f"loss is not finite at step {self.step} ({float(lm):.4g} LM, {float(kl):.4g} KL)")
         loss.backward()
+        if par is not None and par.cp > 1:
+            from msakit.distributed.step import set_attention_context
+
+            set_attention_context(model, None)
         params = optimizer_params(self.optimizer)
-        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else \
-            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+        if par is not None and par.env.distributed and not self.fsdp:
+            from msakit.distributed.fsdp import allreduce_gradients
+
+            allreduce_gradients(params)
+        if par is not None:  # a DTensor norm under FSDP2, made whole
+            from msakit.distributed.fsdp import full_norm
+
+            gn = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
+        else:
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else \
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         lr = lr_at(cfg, self.step)
         optimizer_step(self.optimizer, lr)
-        el = getattr(out, "expert_load", None)
-        if el is not None and el.numel() and cfg.routing_bias_rate > 0:
-            model.update_routing_bias(el.detach(), rate=cfg.routing_bias_rate)
+        if el is not None and el.numel():
+            if par is not None:
+                from msakit.distributed.fsdp import sync_expert_load
+
+                el = sync_expert_load(el)
+            if cfg.routing_bias_rate > 0:
+                model.update_routing_bias(el.detach(), rate=cfg.routing_bias_rate)
         self.step += 1
         self.tokens_seen += batch.num_targets
-        rec = {"step": self.step, "loss": float(lm.detach()), "kl": float(kl.detach()) if with_kl else None, "lr": lr,
+        rec = {"step": self.step, "loss": float(lm), "kl": float(kl) if with_kl else None, "lr": lr,
                "grad_norm": float(gn), "mode": mode, "time_s": time.time() - t0}
+        if comm:
+            rec["cp_comm_bytes"] = comm["all_gather_bytes"]
         if el is not None and el.numel():
             acc = self._acc.get("load")
             self._acc["load"] = el.detach().float() if acc is None else acc + el.detach().float()
@@ -264,7 +339,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging
     def _log(self, record: dict) -> None:
-        append_metrics(self.out_dir, record)
+        if self.is_main:
+            append_metrics(self.out_dir, record)
 
     def _interval_record(self, recent: list[dict]) -> dict:
         r = {
@@ -309,12 +385,49 @@ class Trainer:
         }
 
     def save(self, _hook=None) -> Path:
+        if self.parallel is not None and self.parallel.env.distributed:
+            return self._save_sharded()
         return ckpt_mod.save_checkpoint(
             self.out_dir, self.step, model=self.model, optimizer=self.optimizer, param_names=self.param_names,
             state=self.state(), tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints, _hook=_hook)
 
+    def _save_sharded(self) -> Path:
+        """A DCP checkpoint under out_dir/sharded/step-N (every rank writes its shards; rank 0 the rest)."""
+        from msakit.distributed.checkpoint import save_sharded
+
+        root = self.out_dir / SHARDED_DIR
+        path = save_sharded(root / f"step-{self.step:08d}", self.model, self.optimizer,
+                            state={**self.state(), "step": self.step})
+        if self.is_main:
+            if self.tokenizer is not None:
+                self.tokenizer.save(path)
+            tmp = root / f".{ckpt_mod.LATEST}.tmp"
+            tmp.write_text(path.name)
+            os.replace(tmp, root / ckpt_mod.LATEST)
+            olds = sorted(p for p in root.glob("step-*") if p.is_dir() and p != path)
+            keep = self.cfg.keep_checkpoints
+            for p in (olds[:len(olds) - (keep - 1)] if keep else []):
+                shutil.rmtree(p, ignore_errors=True)
+        return path
+
+    def resume_sharded(self, path: str | os.PathLike) -> Path:
+        """Restore weights, optimizer, loader and step from a DCP checkpoint saved on any number of
+        ranks (or its run folder: the newest one under out/sharded)."""
+        from msakit.distributed.checkpoint import is_sharded_checkpoint, load_sharded
+
+        ck = find_sharded(path)
+        if ck is None or not is_sharded_checkpoint(ck):
+            raise ckpt_mod.CheckpointError(f"no sharded checkpoint in {path}")
+        state = load_sharded(ck, self.model, self.optimizer)
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        return ck
+
     def resume(self, path: str | os.PathLike, load_weights: Callable[[Path], None] | None = None) -> Path:
         """Restore weights, optimizer, loader, RNG and step from a checkpoint (verified first)."""
+        if find_sharded(path) is not None:
+            return self.resume_sharded(path)
         ck = ckpt_mod.resolve_checkpoint(path)
         state, rng, ot, os_ = ckpt_mod.load_checkpoint_state(ck)
         if load_weights is not None:
@@ -349,8 +462,8 @@ class Trainer:
         end = cfg.steps if until is None else min(until, cfg.steps)
         start_hist = len(self.history)
         recent: list[dict] = []
-        with progress_bar(self.progress, total=cfg.steps, initial=self.step, desc="train", out_dir=self.out_dir,
-                          step=lambda: self.step) as bar:
+        with progress_bar(self.progress and self.is_main, total=cfg.steps, initial=self.step, desc="train",
+                          out_dir=self.out_dir, step=lambda: self.step) as bar:
             while self.step < end:
                 if deadline is not None and time.time() > deadline:
                     break
@@ -375,12 +488,25 @@ class Trainer:
         return self.history[start_hist:]
 
     def write_plots(self) -> None:
+        if not self.is_main:
+            return
         try:
             from msakit.train.plots import write_plots
 
             write_plots(self.out_dir / METRICS_FILE, self.out_dir, switch_step=self.cfg.dense_warmup_steps)
         except ImportError:
             pass
+
+
+def find_sharded(path: str | os.PathLike) -> Path | None:
+    """A DCP checkpoint folder itself, or the newest under <run>/sharded (None when there is none)."""
+    p = Path(path)
+    if (p / ".metadata").is_file():
+        return p
+    latest = p / SHARDED_DIR / ckpt_mod.LATEST
+    if latest.is_file():
+        return p / SHARDED_DIR / latest.read_text().strip()
+    return None
 
 
 def _mean(xs: list) -> float | None:

@@ -2,77 +2,26 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import sysconfig
-from pathlib import Path
 
 import pytest
 
+from cli_helpers import common as _common
+from cli_helpers import one_line_error as _one_line_error
+from cli_helpers import tree_state as _tree_hash
 from msakit.cli import main
-
-from toy_model import toy_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-FILES = ["json/decoder.py", "json/encoder.py", "textwrap.py", "fnmatch.py", "bisect.py", "heapq.py", "glob.py",
-         "colorsys.py"]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    data = root / "data"
-    data.mkdir()
-    for n in FILES:
-        (data / n.replace("/", "_")).write_text((STDLIB / n).read_text())
-    cfg_dir = root / "toy"
-    toy_config(300).save(cfg_dir)
-    dense_dir = root / "toy_dense"
-    toy_config(300, sparse_attention_freq=[0, 0]).save(dense_dir)
-    return {"root": root, "data": str(data), "config": str(cfg_dir), "dense_config": str(dense_dir),
-            "cache": str(root / "cache")}
-
-
-def _common(env, out, *extra):
-    return ["--out", str(out), "--no-stdlib", "--data", env["data"], "--vocab-size", "300", "--context", "64",
-            "--cache-dir", env["cache"], "--batch-size", "2", "--lr-warmup-steps", "1", "--log-every", "1",
-            "--eval-every", "4", "--eval-rows", "4", "--no-progress", "--val-fraction", "0.15", *extra]
-
-
-def _tree_hash(p: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(x for x in p.rglob("*") if x.is_file()):
-        h.update(str(f.relative_to(p)).encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
-def _one_line_error(capsys, rc) -> str:
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, err
-    assert len(err.splitlines()) == 1 and "error:" in err, err
-    return err
-
-
-@pytest.fixture(scope="module")
-def run_dir(env):
-    out = env["root"] / "run"
-    rc = main(["train", "--config", env["config"], "--steps", "4", "--warmup-steps", "2", "--save-every", "2",
-               *_common(env, out)])
-    assert rc == 0
-    return out
-
-
-def test_train_resume_and_generate(env, run_dir, capsys):
+def test_train_resume_and_generate(env, copy_run, capsys):
+    run_dir = copy_run
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000004"
     assert (run_dir / "tokenizer.json").is_file() and (run_dir / "loss.png").is_file()
     capsys.readouterr()
-    rc = main(["train", "--resume", "--steps", "6", *_common(env, run_dir)])
+    rc = main(["train", "--resume", "--steps", "6", "--out", str(run_dir), "--no-progress", "--cache-dir", env["cache"]])
     assert rc == 0
     assert "resumed" in capsys.readouterr().out
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -87,23 +36,8 @@ def test_train_resume_and_generate(env, run_dir, capsys):
     assert capsys.readouterr().out == text  # same seed, same text
 
 
-def test_convert_dense_checkpoint(env, capsys):
-    dense = env["root"] / "dense"
-    assert main(["train", "--config", env["dense_config"], "--steps", "2", "--warmup-steps", "2",
-                 *_common(env, dense)]) == 0
-    conv = env["root"] / "conv"
-    rc = main(["convert", str(dense), "--steps", "4", "--warmup-steps", "2", "--block-size", "8", "--topk", "2",
-               "--index-dim", "8", *[a for a in _common(env, conv) if a not in ("--vocab-size", "300")]])
-    assert rc == 0
-    out = capsys.readouterr().out
-    assert "converted" in out and "after conversion" in out
-    cfg = json.loads((conv / "checkpoints" / "step-00000004" / "config.json").read_text())
-    assert json.dumps(cfg).count("sparse") > 0
-    recs = [json.loads(x) for x in (conv / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
-    assert [r["mode"] for r in recs] == ["dense", "dense", "sparse", "sparse"]
-
-
-def test_bad_input_exits_2_with_one_line(env, run_dir, tmp_path, capsys):
+def test_bad_input_exits_2_with_one_line(env, copy_run, tmp_path, capsys):
+    run_dir = copy_run
     before = _tree_hash(run_dir)
     # missing data path
     _one_line_error(capsys, main(["train", "--config", env["config"], *_common(env, tmp_path / "a"),
@@ -134,7 +68,7 @@ def test_bad_input_exits_2_with_one_line(env, run_dir, tmp_path, capsys):
     st.write_bytes(good.replace(b'"step"', b'"stpe"', 1))
     try:
         before = _tree_hash(run_dir)
-        err = _one_line_error(capsys, main(["train", "--resume", *_common(env, run_dir)]))
+        err = _one_line_error(capsys, main(["train", "--resume", "--out", str(run_dir), "--cache-dir", env["cache"]]))
         assert "corrupt" in err
         _one_line_error(capsys, main(["generate", str(run_dir), "--max-new-tokens", "2"]))
         assert _tree_hash(run_dir) == before

@@ -205,3 +205,38 @@ def test_write_checks():
         c.write(1, slots, k[:1], v, ki)
     c.write(0, slots, k, v)
     c.write(1, slots, k, v, ki)
+
+
+def test_truncate_releases_pages_and_appends_again():
+    c = make(pages=6)
+    sid = c.allocate()
+    k, v, ki = toks(10)
+    c.append(sid, k, v, ki)  # 3 pages
+    other = c.fork(sid)
+    c.truncate(sid, 5)  # keeps 2 pages (one shared, one shared partial)
+    assert c.length(sid) == 5 and len(c.pages(sid)) == 2 and c.num_free_pages == 3
+    k2, v2, ki2 = toks(3, seed=1)
+    c.append(sid, k2, v2, ki2)  # the shared partial page is copied before the write
+    check_seq(c, sid, torch.cat([k[:5], k2]), torch.cat([v[:5], v2]), torch.cat([ki[:5], ki2]))
+    check_seq(c, other, k, v, ki)  # the fork still sees its own tokens
+    c.truncate(other, 0)
+    assert c.pages(other) == [] and c.length(other) == 0
+    with pytest.raises(ValueError, match="length"):
+        c.truncate(sid, 9)
+
+
+def test_caches_share_the_protocol():
+    from msakit.cache import KVCache, KVCacheProtocol, PagedRows, PagedStep
+    from msakit.speculative.cache import SpecCache
+
+    for cls in (KVCache, PagedStep, PagedRows, SpecCache):
+        assert issubclass(cls, KVCacheProtocol)
+    rows = PagedRows(make(pages=8), 2, 10)
+    assert rows.page_table.shape == (2, 3)  # every page reserved up front
+    rows.begin(torch.tensor([3, 7]))
+    pos = rows.positions(2, 2, torch.device("cpu"))
+    assert pos.tolist() == [[3, 4], [7, 8]]
+    ps = PS
+    table = rows.page_table.long()
+    want = [int(table[b, p // ps]) * ps + p % ps for b, r in enumerate(pos.tolist()) for p in r]
+    assert rows.step.slots.tolist() == want and rows.step.seq_lens.tolist() == [5, 9]

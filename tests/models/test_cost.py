@@ -1,4 +1,4 @@
-"""Tests for msakit.cost: the seed figures (brief 004, MSA reference §4) for the two fixtures."""
+"""Tests for msakit.cost: the published M3 / M3.1-Flash figures (MSA paper, M3.1-Flash brief) for the two fixtures."""
 
 from __future__ import annotations
 
@@ -25,12 +25,10 @@ N1M = 1_048_576
 
 
 def fixture_config(name: str) -> Path:
-    """The fixture's config.json: the copy in tests/fixtures, else ../shared/fixtures, else skip."""
-    for root in (REPO / "tests" / "fixtures", REPO.parent / "shared" / "fixtures"):
-        path = root / name / "config.json"
-        if path.is_file():
-            return path
-    pytest.skip(f"fixture {name}/config.json not found in tests/fixtures or ../shared/fixtures")
+    """The fixture's config.json in tests/fixtures."""
+    path = REPO / "tests" / "fixtures" / name / "config.json"
+    assert path.is_file(), f"fixture {path} is missing"
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +74,10 @@ def _same_numbers(a: ModelShape, b: ModelShape) -> None:
 
 
 @pytest.mark.parametrize("name", [M3, FLASH])
-def test_fixture_copies_match_shared(name: str) -> None:
-    shared = REPO.parent / "shared" / "fixtures" / name / "config.json"
-    if not shared.is_file():
-        pytest.skip("../shared/fixtures not present beside the repository")
-    local = REPO / "tests" / "fixtures" / name / "config.json"
-    assert json.loads(local.read_text()) == json.loads(shared.read_text())
+def test_fixture_copies_match_package_data(name: str) -> None:
+    """The presets read msakit/models/configs/*.json; the tests read tests/fixtures: the same config."""
+    package = REPO / "msakit" / "models" / "configs" / f"{name}.json"
+    assert json.loads(fixture_config(name).read_text()) == json.loads(package.read_text())
 
 
 # ---------------------------------------------------------------- config parsing
@@ -355,10 +351,65 @@ def test_cli_bad_config_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "hidden_size" in capsys.readouterr().err
 
 
-def test_cli_requires_config() -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["cost"])
-    assert e.value.code == 2
+def test_cli_requires_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--config" in err and "\n" not in err
+
+
+# Dense HF configs as transformers saves them (no expert fields, no head_dim): Llama-3.1-8B and
+# Qwen2-0.5B. Their published parameter counts are 8,030,261,248 and 494,032,768; the cost
+# model counts no biases, and Qwen2's q/k/v biases are 24 * (896 + 2 * 128) = 27,648.
+LLAMA_31_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+               "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+               "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+QWEN2_05B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+             "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+             "max_window_layers": 24, "sliding_window": 32768, "use_sliding_window": False,
+             "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("raw, total", [(LLAMA_31_8B, 8_030_261_248),
+                                        (QWEN2_05B, 494_032_768 - 27_648)])
+def test_dense_hf_config_is_dense_with_no_experts(raw: dict[str, Any], total: int) -> None:
+    s = ModelShape.from_config(raw)
+    assert (s.num_moe_layers, s.num_experts, s.top_k, s.n_shared_experts) == (0, 0, 0, 0)
+    assert s.num_dense_mlp_layers == s.num_layers == raw["num_hidden_layers"]
+    assert s.dense_intermediate_size == raw["intermediate_size"]
+    assert s.head_dim == raw["hidden_size"] // raw["num_attention_heads"]
+    assert s.num_sparse_layers == 0 and not s.use_qk_norm
+    assert cost.total_params(s) == total
+    assert cost.routed_expert_params(s) == cost.router_params(s) == cost.router_bias_params(s) == 0
+    assert cost.active_routed_params(s) == 0
+
+
+def test_cli_dense_hf_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    assert main(["cost", "--config", str(tmp_path), "--context", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "FFN 0 MoE + 32 dense" in out and "8,030,261,248" in out
+    assert main(["cost", "--config", str(tmp_path), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["parameters"]["routed_experts"] == 0 and r["config"]["num_experts"] == 0
+    assert "msa_per_layer" not in r["attention_flops_per_token"]
+
+
+def test_dense_hf_config_needs_its_fields() -> None:
+    raw = dict(LLAMA_31_8B, hidden_size=4100)  # not a multiple of the heads: head_dim unknown
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelShape.from_config(raw)
+    raw = {k: v for k, v in LLAMA_31_8B.items() if k != "intermediate_size"}
+    with pytest.raises(ValueError, match="intermediate_size"):
+        ModelShape.from_config(raw)
+    # naming experts makes it a MoE config again (transformers' M3 default: every layer MoE),
+    # which must give head_dim and the routing fields
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelShape.from_config(dict(LLAMA_31_8B, num_local_experts=8))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelShape.from_config(dict(LLAMA_31_8B, num_local_experts=8, head_dim=128))
 
 
 def test_module_does_not_import_torch() -> None:

@@ -107,10 +107,16 @@ def test_sample_next_filters() -> None:
 def test_cache_overflow_and_training_flag() -> None:
     cache = KVCache(1, 4)
     k = torch.zeros(1, 3, 2, 8)
-    cache.update(0, k, k, None)
+    cache.write(0, k, k, None)
     cache.advance(3)
     with pytest.raises(ValueError, match="overflow"):
-        cache.update(0, k, k, None)
+        cache.write(0, k, k, None)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.positions(1, 2, k.device)
+    cache.truncate(1)
+    assert cache.length == 1 and cache.positions(2, 3, k.device).tolist() == [[1, 2, 3]] * 2
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate(2)
     model = model_for("sparse").train()
     model.generate(torch.randint(0, 128, (1, 3)), 2)
     assert model.training

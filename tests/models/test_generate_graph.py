@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from msakit.generate import PagedDecoder, generate
 from msakit.models import M3Config, M3ForCausalLM
-from msakit.ops._dispatch import interpret_mode
+from msakit.ops.dispatch import interpret_mode
 
 BACKENDS = ["reference"] + (["triton"] if (torch.cuda.is_available() or interpret_mode()) else [])
 CUDA = torch.cuda.is_available()
@@ -170,11 +170,10 @@ def test_stage_refuses_past_max_len_and_unsupported_reasons() -> None:
     assert "MyMoE" in PagedDecoder(dense, 1, 32, backend="reference").graph_unsupported_reason()
 
 
-def test_graph_step_flow_emulated(monkeypatch) -> None:
-    """PagedDecoder.step's graph path on CPU with an emulated graph (capture = remember the
-    static step, replay = rerun it on the buffers): stage + replay per step, eager steps past
-    max_len, and the logits of the eager decoder throughout."""
-    captures = []
+def emulate_graphs(monkeypatch) -> list[int]:
+    """CUDA graphs emulated on CPU: capture = remember the static step, replay = rerun it on the
+    buffers.  Returns the list of captured nq (appended at each capture)."""
+    captures: list[int] = []
 
     class FakeGraph:
         def __init__(self, dec, g):
@@ -193,6 +192,14 @@ def test_graph_step_flow_emulated(monkeypatch) -> None:
     # msa_decode's reference reads the lengths on the host (fine on CPU, not capturable on CUDA):
     # the flow is the same with Triton, whose static step the tests above compare
     monkeypatch.setattr(PagedDecoder, "graph_unsupported_reason", lambda self: None)
+    return captures
+
+
+def test_graph_step_flow_emulated(monkeypatch) -> None:
+    """PagedDecoder.step's graph path on CPU with an emulated graph (capture = remember the
+    static step, replay = rerun it on the buffers): stage + replay per step, eager steps past
+    max_len, and the logits of the eager decoder throughout."""
+    captures = emulate_graphs(monkeypatch)
     backend = "reference"
     model = model_for("sparse")
     prompt = torch.randint(0, 256, (2, 27), generator=torch.Generator().manual_seed(7))
@@ -215,6 +222,56 @@ def test_graph_step_flow_emulated(monkeypatch) -> None:
         assert torch.equal(dec2.step(new), ref2.step(new))
         assert torch.equal(dec2.step(new[:, :1]), ref2.step(new[:, :1]))
     assert captures == [1, 2, 1]
+
+
+def test_decoders_and_graphs_kept_across_calls(monkeypatch) -> None:
+    """decoder_for hands the same decoder (pools, static buffers, graphs) to later calls of the
+    same shape: an emulated graph captured in the first call is replayed in the second (no new
+    capture) with the logits of a fresh eager decoder; generate reuses its paged decoder; a new
+    shape or a mode switch gets a fresh one; a decoder in use is never handed out twice."""
+    import msakit.generate as G
+
+    captures = emulate_graphs(monkeypatch)
+    model = model_for("sparse")
+    G.clear_decoders(model)
+    prompts = [torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(s)) for s in (9, 10)]
+    decs = []
+    for prompt in prompts:
+        with G.decoder_for(model, 2, 40, backend="reference") as dec:
+            dec.cuda_graph = True
+            decs.append(dec)
+            ref = PagedDecoder(model, 2, 40, backend="reference")
+            l1, l2 = dec.prefill(prompt), ref.prefill(prompt)
+            assert torch.equal(l1, l2)
+            for _ in range(6):
+                new = l2.argmax(-1, keepdim=True)
+                l1, l2 = dec.step(new), ref.step(new)
+                assert torch.equal(l1, l2)
+            assert dec.cache.length(dec.seq_ids[0]) == 27
+    assert decs[0] is decs[1] and decs[0].max_len == G.LENGTH_QUANTUM and captures == [1]
+    assert decs[0].model is None  # pooled decoders do not keep their model alive
+    with G.decoder_for(model, 2, 40, backend="reference") as a, G.decoder_for(model, 2, 40, backend="reference") as b:
+        assert a is decs[0] and b is not a
+    with G.decoder_for(model, 1, 40, backend="reference") as c:
+        assert c is not decs[0]
+    model.set_attention_mode("dense")
+    with G.decoder_for(model, 2, 40, backend="reference") as d:
+        assert d is not decs[0]
+    model.set_attention_mode("sparse")
+    # generate: the paged decoder of the first call serves the second; the tokens do not change
+    G.clear_decoders(model)
+    made = []
+    init = PagedDecoder.__init__
+
+    def counting_init(self, *a, **kw):
+        made.append(1)
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(PagedDecoder, "__init__", counting_init)
+    outs = [generate(model, prompts[0], 5, temperature=0, cache="paged", decode_backend="reference") for _ in range(2)]
+    assert len(made) == 1 and torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], generate(model, prompts[0], 5, temperature=0, cache="contiguous"))
+    G.clear_decoders(model)
 
 
 def test_generate_cuda_graph_argument() -> None:

@@ -8,7 +8,7 @@ import torch
 
 from msakit.generate import PagedDecoder, generate, paged_supported
 from msakit.models import M3Config, M3ForCausalLM
-from msakit.ops._dispatch import interpret_mode
+from msakit.ops.dispatch import interpret_mode
 
 BACKENDS = ["reference"] + (["triton"] if (torch.cuda.is_available() or interpret_mode()) else [])
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,8 +66,8 @@ def test_paged_decoder_pages_and_nq() -> None:
     assert [dec.cache.length(s) for s in dec.seq_ids] == [36, 36]
     assert dec.cache.index_layers == (1, 2)
     kv = KVCache(3, 40)
-    r0 = model.forward_cached(prompt, kv)
-    r1 = model.forward_cached(new, kv)
+    r0 = model(prompt, cache=kv, logits_to_keep=1).logits[:, -1]
+    r1 = model(new, cache=kv, logits_to_keep=1).logits[:, -1]
     torch.testing.assert_close(l0, r0)
     torch.testing.assert_close(l1, r1, rtol=1e-4, atol=1e-4)
 

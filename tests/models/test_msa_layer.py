@@ -38,18 +38,18 @@ def test_parameter_names_follow_hf_checkpoint():
 def test_forward_shapes_and_kl(mode):
     m = make_layer(mode)
     x = torch.randn(2, 11, 32)
-    out, kl = m(x)
+    out, kl, _ = m(x)
     assert out.shape == x.shape and kl.dim() == 0 and kl.item() >= 0
-    out2, kl2 = m(x, compute_kl=False)
+    out2, kl2, _ = m(x, compute_kl=False)
     assert kl2 is None and torch.equal(out, out2)
 
 
 def test_sparse_with_every_block_equals_dense():
     m = make_layer("sparse", topk=4)  # T = 16, block 4 -> 4 blocks: everything is selected
     x = torch.randn(1, 16, 32)
-    o_s, _ = m(x, compute_kl=False)
+    o_s = m(x, compute_kl=False)[0]
     m.mode = "dense"
-    o_d, _ = m(x, compute_kl=False)
+    o_d = m(x, compute_kl=False)[0]
     torch.testing.assert_close(o_s, o_d, rtol=1e-5, atol=1e-6)
 
 
@@ -58,7 +58,7 @@ def test_layer_matches_ops_on_its_projections():
     x = torch.randn(1, 13, 32)
     q, k, v, qi, ki = m.project(x)
     o = ops.msa_attention(q, k, v, qi, ki, block_size=4, topk=2)
-    out, kl = m(x)
+    out, kl, _ = m(x)
     torch.testing.assert_close(out, m.o_proj(o.reshape(1, 13, -1)))
     bi = ops.index_topk(qi, ki, block_size=4, topk=2)
     torch.testing.assert_close(kl, ops.index_kl_loss(q, k, qi, ki, bi, block_size=4))
@@ -73,7 +73,7 @@ def test_kl_weight_does_not_change_backbone_gradients(mode):
     for w in (0.0, 1.0):
         m = make_layer(mode, seed=1)
         x = x0.clone().requires_grad_(True)
-        out, kl = m(x)
+        out, kl, _ = m(x)
         ((out ** 2).mean() + w * kl).backward()
         grads.append({n: p.grad.clone() if p.grad is not None else None for n, p in m.named_parameters()} | {"input": x.grad.clone()})
     g0, g1 = grads

@@ -10,7 +10,7 @@ import torch
 
 from msakit import ops
 from msakit.cache import PagedKVCache
-from msakit.ops._dispatch import interpret_mode
+from msakit.ops.dispatch import interpret_mode
 from msakit.ops.decode import msa_decode, msa_decode_reference, plan_decode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,7 +53,7 @@ def as_sets(bi):
 
 def run_both(cache, sids, q, qi, topk, **kw):
     meta = cache.decode_metadata(sids)
-    plan_kw = {k: kw.pop(k) for k in list(kw) if k in ("score_splits", "attn_splits", "fused_select", "cluster", "merge_budget")}
+    plan_kw = {k: kw.pop(k) for k in list(kw) if k in ("score_splits", "attn_splits", "cluster", "merge_budget")}
     sel = dict(topk=topk, local_blocks=kw.pop("local_blocks", 1), init_blocks=kw.pop("init_blocks", 0))
     plan = plan_decode(cache.layer(0), batch=len(sids), nq=q.shape[1], num_heads=q.shape[2], width=meta.width,
                        seq_lens=meta.seq_lens_host, page_table=meta.page_table_host, **sel, **plan_kw)
@@ -90,10 +90,9 @@ def test_reference_equals_prefill_rows(nq):
         ([5, 130, 64], 3, 3, {}),
         ([16, 199], 4, 4, dict(local_blocks=2, init_blocks=1)),
         ([150, 33, 80], 2, 5, dict(score_splits=40, cluster=4)),  # two-level selection merge
-        ([150, 33, 80], 2, 5, dict(score_splits=40, cluster=4, fused_select=False)),
         ([97, 64], 4, 16, dict(attn_splits=3)),  # topk above the page count: -1 padding
         ([120, 45], 1, 4, dict(score_splits=1, attn_splits=1)),  # one split list, one attention split
-        ([120, 45], 2, 4, dict(score_splits=2, fused_select=False)),
+        ([120, 45], 2, 4, dict(score_splits=2)),
     ],
 )
 def test_triton_matches_reference_fp32(lens, nq, topk, kw):
@@ -278,7 +277,7 @@ def test_plan_mismatch_raises():
 # ---------------------------------------------------------------- CUDA graph (GPU only)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_replay():
-    from msakit.ops.decode.bench import graph_check
+    from tools.bench.decode import graph_check
 
     res = graph_check(small=True)
     assert res["ok"], res

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from msakit.ops._dispatch import interpret_mode, triton_available
+from msakit.ops.dispatch import interpret_mode, triton_available
 from msakit.ops.index_kl import index_kl_loss, selected_lse
+from tolerances import assert_close_sums
 from msakit.ops.index_kl.reference import (
     index_kl_loss_reference,
     index_kl_loss_varlen_reference,
@@ -157,7 +158,8 @@ def test_varlen_equals_batched_for_equal_documents():
     cu = torch.tensor([0, T, 2 * T], dtype=torch.int32, device=DEV)
     varlen = index_kl_loss(flat(q), flat(k), flat(q_idx), flat(k_idx), bi_flat, block_size=bs, cu_seqlens=cu,
                            backend="triton")
-    torch.testing.assert_close(varlen, batched, rtol=1e-6, atol=1e-7)
+    # the same KL terms summed over other tiles: a reduction over every (token, group, slot)
+    assert_close_sums(varlen, batched, n=B * T * G * K, msg="loss")
 
 
 def test_no_grad_to_q_k_and_grad_scaling():
@@ -183,8 +185,8 @@ def test_no_grad_to_q_k_and_grad_scaling():
     torch.testing.assert_close(l0, loss.detach())
 
 
-@pytest.mark.parametrize("tpp,hc,flat", [(1, 1, True), (4, 2, False)])
-def test_other_tilings(tpp, hc, flat):
+@pytest.mark.parametrize("tpp,hc", [(1, 1), (4, 2)])
+def test_other_tilings(tpp, hc):
     from msakit.ops.index_kl.triton import index_kl_fwd_triton
 
     B, T, Hq, G, D, Di, bs, K = 1, 90, 4, 2, 16, 16, 16, 4
@@ -192,7 +194,7 @@ def test_other_tilings(tpp, hc, flat):
     bi = make_block_idx(B, G, T, K, bs, gen).to(DEV)
     ref = loss_and_grads(index_kl_loss_reference, q, k, q_idx, k_idx, block_idx=bi, block_size=bs,
                          softmax_scale=0.2, index_softmax_scale=0.3)
-    cfg = dict(QT=16, TPP=tpp, HC=hc, num_warps=4, num_stages=1, FLAT=flat, ST_HC=4 // hc)
+    cfg = dict(QT=16, TPP=tpp, HC=hc, num_warps=4, num_stages=1, ST_HC=4 // hc)
     loss, dq, dk = index_kl_fwd_triton(q, k, q_idx, k_idx, bi, None, None, bs, 0.2, 0.3, True, config=cfg)
     torch.testing.assert_close(loss, ref[0], rtol=1e-5, atol=1e-6)
     assert rel_err(dq, ref[1]) < 1e-5 and rel_err(dk, ref[2]) < 1e-5
@@ -217,8 +219,8 @@ def test_dispatch_and_checks():
     bi = make_block_idx(B, G, T, K, bs, gen).to(DEV)
     ref = index_kl_loss_reference(q, k, q_idx, k_idx, bi, block_size=bs)
     torch.testing.assert_close(index_kl_loss(q, k, q_idx, k_idx, bi, block_size=bs, backend="reference"), ref)
-    if DEV.type == "cpu":  # auto on CPU tensors is the reference
-        assert torch.equal(index_kl_loss(q, k, q_idx, k_idx, bi, block_size=bs), ref)
+    if DEV.type == "cpu":  # auto on CPU tensors is the chunked path, equal to the reference
+        torch.testing.assert_close(index_kl_loss(q, k, q_idx, k_idx, bi, block_size=bs), ref)
     with pytest.raises(ValueError, match="lse"):
         index_kl_loss(q, k, q_idx, k_idx, bi, block_size=bs, lse=torch.zeros(B, Hq, T + 1, device=DEV))
     with pytest.raises(ValueError, match="cu_seqlens"):
@@ -268,7 +270,7 @@ def test_sm90_build_fits_without_spills():
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("triton's bundled ptxas is not available")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json; from msakit.ops.index_kl.bench import ptxas_report; print(json.dumps(ptxas_report()))"
+    code = "import json; from tools.bench.index_kl import ptxas_report; print(json.dumps(ptxas_report()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-2000:]

@@ -18,10 +18,11 @@ import os
 import pytest
 import torch
 
-from msakit.ops._dispatch import interpret_mode
+from msakit.ops.dispatch import interpret_mode
 from msakit.ops.index_topk import index_topk, index_topk_reference, index_topk_varlen_reference
-from msakit.ops.index_topk.bench import agreement_rate, as_sets, rows_reference, sample_rows
-from msakit.ops.index_topk.reference import fp8_scoring_inputs, quantize_fp8_rows
+from tools.bench.index_topk import agreement_rate, as_sets, rows_reference, sample_rows
+from msakit.ops.fp8 import quantize_fp8_reference as quantize_fp8_rows
+from msakit.ops.index_topk.reference import fp8_scoring_inputs
 
 CAN_RUN_KERNEL = interpret_mode() or torch.cuda.is_available()
 needs_kernel = pytest.mark.skipif(not CAN_RUN_KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -60,13 +61,12 @@ CASES = {
 }
 
 
-# Kernel variants (config overrides; the interpreter's default is the lane-split top-k):
-# every lane keeping whole rows (with the tile-level skip), and key tiles through tensor
-# descriptors (TMA on the GPU; the interpreter emulates their zero-filled bounds).
+# Kernel variants (config overrides): the default takes the GPU default's branches (TMA key
+# loads for 16-bit inputs, cp.async for fp32); "no_tma" the other key-load path (the GPU's
+# fallback where k_idx is not 16-byte aligned, and the fp32 default).
 VARIANTS = {
     "default": None,
-    "lanes1_skip": dict(LANES=1, SKIP=True),
-    "lanes4_tma": dict(LANES=4, TMA=True),
+    "no_tma": dict(TMA=False),
 }
 # the cases the non-default variants also run (batch > 1, forced init/local blocks, padded
 # blocks and head dims, sub-tiles, fewer blocks than topk, a single token)
@@ -168,14 +168,14 @@ def test_varlen_tile_table_covers_each_tile_once():
 
 @needs_kernel
 def test_quantize_fp8_kernel_matches_reference():
-    from msakit.ops.index_topk.triton import quantize_fp8
+    from msakit.ops.fp8 import quantize_fp8
 
     gen = torch.Generator().manual_seed(9)
     for shape in [(3, 37, 2, 24), (1, 5, 128)]:
         x = (torch.randn(shape, generator=gen) * torch.rand(shape[:-1] + (1,), generator=gen) * 10).to(torch.bfloat16)
         x.view(-1, shape[-1])[1] = 0.0  # an all-zero row
         a, sa = quantize_fp8_rows(x)
-        b, sb = quantize_fp8(x.to(DEV))
+        b, sb = quantize_fp8(x.to(DEV), backend="triton")
         assert b.dtype == torch.float8_e4m3fn and b.shape == x.shape and sb.shape == x.shape[:-1]
         assert torch.equal(sa, sb.cpu()) and torch.equal(a.float(), b.cpu().float())
 
@@ -299,7 +299,7 @@ def test_rows_reference_matches_full_reference():
 
 
 def test_bench_imports_without_gpu():
-    from msakit.ops.index_topk import bench
+    from tools.bench import index_topk as bench
 
     assert callable(bench.check_and_bench)
     assert os.environ.get("TRITON_INTERPRET", "0") in ("0", "1")
@@ -332,7 +332,7 @@ def test_kernel_compiles_for_sm90_without_spills():
     without TRITON_INTERPRET: catches what only the real compiler rejects (non-constexpr
     globals, unsupported ops), register spills, lost occupancy and shuffle layouts the
     lane-split top-k does not expect, on a machine without a GPU.  Covers the defaults, every
-    bench.CANDIDATE_CONFIGS entry (bf16) and the small tiles of tiny sequences."""
+    tools.bench.index_topk.CANDIDATE_CONFIGS entry (bf16) and the small tiles of tiny sequences."""
     import json
     import subprocess
     import sys
@@ -346,8 +346,8 @@ def test_kernel_compiles_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
     code = (
-        "import json; from msakit.ops.index_topk.triton import compile_report; "
-        "from msakit.ops.index_topk.bench import CANDIDATE_CONFIGS as C; "
+        "import json; from tools.bench.index_topk import compile_report; "
+        "from tools.bench.index_topk import CANDIDATE_CONFIGS as C; "
         "print(json.dumps([compile_report() + compile_report(configs={'bf16': C, 'fp8': [], 'bf16_varlen': []}), "
         "compile_report(T=3, configs={'bf16': [None], 'fp8': [], 'bf16_varlen': []}) "
         "+ compile_report(T=8, G=1, configs={'bf16': [None], 'fp8': [None], 'bf16_varlen': []})]))"
@@ -370,3 +370,86 @@ def test_kernel_compiles_for_sm90_without_spills():
             assert r["stack"] == 0 and r["local_loads"] == 0, r  # no register spills
         if r["config"] is None and r["variant"] != "bf16_varlen":
             assert r["ctas_per_sm"] == 2, r  # the defaults overlap two CTAs per SM
+
+
+def _nan_case():
+    """Positive integer queries, integer keys; block 1's keys all NaN, token 40's key NaN, and
+    (token 50, group 0)'s index query NaN.  Returns (q, k, the same with every NaN key replaced
+    by a key that scores below every real one (-100s), the NaN block, the NaN query row)."""
+    q, k = int_inputs(1, 64, 2, 16, torch.float32, 1, 4, seed=3)
+    k = k - 2.0  # keys in [-1, 2]: scores of real keys >= -16 * 4
+    bs, nan_block, nan_row = 16, 1, (50, 0)
+    k_low = k.clone()
+    k[0, nan_block * bs:(nan_block + 1) * bs] = float("nan")
+    k[0, 40] = float("nan")
+    k_low[0, nan_block * bs:(nan_block + 1) * bs] = -100.0
+    k_low[0, 40] = -100.0
+    q[0, nan_row[0], nan_row[1]] = float("nan")
+    return q, k, k_low, bs, nan_block, nan_row
+
+
+def _nan_expected(q, k_low, bs, nan_block, nan_row, **kw):
+    """Row sets of the NaN case: the low-key reference's, less the NaN block where it is not
+    forced; the NaN query row keeps its forced blocks only."""
+    q_ok = q.nan_to_num(1.0)
+    ref = index_topk_reference(q_ok, k_low, block_size=bs, **kw)
+    want = []
+    for g in range(q.shape[2]):
+        for i in range(q.shape[1]):
+            own = i // bs
+            forced = {b for b in range(own - kw.get("local_blocks", 1) + 1, own + 1) if b >= 0}
+            forced |= {b for b in range(kw.get("init_blocks", 0)) if b <= own}
+            row = {int(x) for x in ref[0, g, i] if x >= 0}
+            if (i, g) == nan_row:
+                row = forced
+            elif nan_block not in forced:
+                row.discard(nan_block)
+            want.append(((g, i), row))
+    return want
+
+
+def _rows_as_sets(sel):
+    return {(g, i): {int(x) for x in sel[0, g, i] if x >= 0} for g in range(sel.shape[1]) for i in range(sel.shape[2])}
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")  # the interpreter's nanmax
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernel)])
+def test_nan_scores_are_never_selected(backend):
+    """NaN in k_idx / q_idx never wins a slot (NaN scores count as -inf): an all-NaN block is left
+    out unless forced, a NaN key token does not raise its block's score, a NaN query row keeps its
+    forced blocks only; the kernel equals the reference exactly; check_finite raises instead."""
+    q, k, k_low, bs, nan_block, nan_row = _nan_case()
+    kw = dict(topk=3, local_blocks=1, init_blocks=1)
+    got = index_topk(q.to(DEV), k.to(DEV), block_size=bs, backend=backend, **kw).cpu()
+    sets = _rows_as_sets(got)
+    for key, want in _nan_expected(q, k_low, bs, nan_block, nan_row, **kw):
+        assert sets[key] == want, (key, sets[key], want)
+    assert torch.equal(got, index_topk_reference(q, k, block_size=bs, **kw))
+    with pytest.raises(ValueError, match="k_idx holds NaN"):
+        index_topk(q.nan_to_num(0.0).to(DEV), k.to(DEV), block_size=bs, backend=backend, check_finite=True, **kw)
+    with pytest.raises(ValueError, match="q_idx holds NaN"):
+        index_topk(q.to(DEV), k.to(DEV), block_size=bs, backend=backend, check_finite=True, **kw)
+
+
+@needs_kernel
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_nan_fp8_scoring_kernel_equals_reference():
+    """fp8 scoring: a NaN in a k_idx row makes that token's scale and scores NaN (never selected)
+    in the quantization kernel as in the reference; the selections are equal."""
+    from msakit.ops.fp8 import quantize_fp8
+
+    q, k = int_inputs(1, 96, 2, 32, torch.float32, -7, 7, seed=8)
+    q[..., 0], k[..., 0] = 7.0, -7.0  # exact scales: the fp8 scores are exact
+    k[0, 20, 5] = float("nan")  # one element: the whole token is out
+    k[0, 32:48] = float("nan")  # block 2 (block_size 16) entirely
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    a, sa = quantize_fp8_rows(k)
+    b, sb = quantize_fp8(k.to(DEV), backend="triton")
+    assert torch.equal(torch.isnan(sa), torch.isnan(sb.cpu())) and bool(torch.isnan(sa[0, 20]))
+    assert torch.equal(a.float().nan_to_num(9.0), b.cpu().float().nan_to_num(9.0))
+    kw = dict(block_size=16, topk=4, local_blocks=1, init_blocks=0)
+    got = index_topk(q.to(DEV), k.to(DEV), score_dtype="fp8", backend="triton", **kw).cpu()
+    ref = index_topk(q, k, score_dtype="fp8", backend="reference", **kw)
+    assert torch.equal(got, ref)
+    own = torch.arange(96) // 16
+    assert not ((ref == 2) & (own != 2).view(1, 1, -1, 1)).any()  # block 2 only where it is the own block

@@ -229,6 +229,13 @@ def test_bad_input_raises_value_error_naming_the_argument():
         (lambda: ops.index_topk(qi, ki, block_size=-1), "block_size"),
         (lambda: ops.index_kl_loss(q, k, qi[:, :, :1], ki, bi, block_size=4), "q_idx"),
         (lambda: ops.dense_attention(q, k, v, softmax_scale=-1.0), "softmax_scale"),
+        # zero-sized head / index dims (a default scale 1 / sqrt(0) used to raise ZeroDivisionError)
+        (lambda: ops.sparse_attention(q[..., :0], k[..., :0], v[..., :0], bi, block_size=4), "head dim"),
+        (lambda: ops.dense_attention(q[..., :0], k[..., :0], v[..., :0]), "head dim"),
+        (lambda: ops.index_topk(qi[..., :0], ki[..., :0], block_size=4, topk=2), "index dim"),
+        (lambda: ops.msa_attention(q, k, v, qi[..., :0], ki[..., :0], block_size=4, topk=2), "index dim"),
+        (lambda: ops.msa_attention(q[..., :0], k[..., :0], v[..., :0], qi, ki, block_size=4, topk=2), "head dim"),
+        (lambda: ops.index_kl_loss(q[..., :0], k[..., :0], qi, ki, bi, block_size=4), "head dim"),
     ]
     for fn, name in cases:
         with pytest.raises(ValueError, match=name):
@@ -243,9 +250,10 @@ def test_bad_input_raises_value_error_naming_the_argument():
 
 
 def test_reference_runs_long_sequence_in_bounded_memory():
-    """T = 32768 through index_topk + sparse_attention on the CPU (chunked references)."""
+    """T = 16384 through index_topk + sparse_attention on the CPU (chunked references: 8 query
+    chunks each; the dense [T, T] scores alone would be 1 GiB)."""
     torch.manual_seed(0)
-    B, T, Hq, G, D, Di = 1, 32768, 2, 1, 16, 16
+    B, T, Hq, G, D, Di = 1, 16384, 2, 1, 16, 16
     q, k, v = torch.randn(B, T, Hq, D), torch.randn(B, T, G, D), torch.randn(B, T, G, D)
     qi, ki = torch.randn(B, T, G, Di), torch.randn(B, T, Di)
     o, bi = ops.msa_attention(q, k, v, qi, ki, block_size=128, topk=4, return_block_idx=True)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from msakit.models import M3Config, M3ForCausalLM
-from msakit.spec import DSparkConfig, DSparkDrafter, spread_taps
-from msakit.spec.generate import SpecCache, draft_context_update, draft_hidden, target_forward
-from msakit.spec.train import DrafterTrainConfig, DrafterTrainer, dspark_loss
-from msakit.spec.verify import sampling_probs
+from msakit.speculative import DSparkConfig, DSparkDrafter, spread_taps
+from msakit.speculative.generate import SpecCache, draft_context_update, draft_hidden, target_forward
+from msakit.speculative.train import DrafterTrainConfig, DrafterTrainer, dspark_loss
+from msakit.speculative.verify import sampling_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,7 +62,7 @@ def test_released_config() -> None:
     assert cfg.enable_confidence_head and cfg.confidence_head_with_markov
     assert cfg.quantization_config == {"quant_method": "mxfp8", "weight_block_size": [1, 32]}
     # writing gives back every field of the released file
-    raw = json.loads(resources.files("msakit.spec").joinpath("configs", "minimax-m3.1-flash-dspark.json").read_text())
+    raw = json.loads(resources.files("msakit.speculative").joinpath("configs", "minimax-m3.1-flash-dspark.json").read_text())
     out = cfg.to_dict()
     for k, v in raw["text_config"].items():
         assert out["text_config"][k] == v, k
@@ -386,7 +386,7 @@ def test_trainer_learns_logs_and_resumes(tmp_path) -> None:
 def test_fit_to_time_keeps_the_configured_steps(tmp_path, monkeypatch) -> None:
     """fit(max_seconds): the step count is fitted to the time (after 10 and 50 steps) but never
     past cfg.steps; a slow pace shortens the run and the LR schedule with it."""
-    import msakit.spec.train as st
+    import msakit.speculative.train as st
 
     target = tiny_target()
     rows = _rows(target)
@@ -416,7 +416,7 @@ def test_fit_to_time_keeps_the_configured_steps(tmp_path, monkeypatch) -> None:
 
 
 def test_regeneration_pool_and_mix() -> None:
-    from msakit.spec.train import mix_streams, regenerate_pool
+    from msakit.speculative.train import mix_streams, regenerate_pool
 
     target = tiny_target()
     rows = _rows(target, n_rows=6, T=16)

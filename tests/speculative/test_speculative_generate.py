@@ -8,44 +8,13 @@ import pytest
 import torch
 
 from msakit.generate import generate
-from msakit.models import M3Config, M3ForCausalLM
-from msakit.spec import DSparkConfig, DSparkDrafter, speculative_generate
-from msakit.spec.generate import SpecCache, draft_context_update, draft_hidden, target_forward
-from msakit.spec.verify import sampling_probs
+from msakit.models import M3ForCausalLM
+from msakit.speculative import DSparkDrafter, speculative_generate
+from msakit.speculative.generate import SpecCache, draft_context_update, draft_hidden, target_forward
+from msakit.speculative.verify import sampling_probs
+from spec_helpers import bigram_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def bigram_pair(mode: str = "sparse", *, head_scale: float = 20.0, layer_scale: float = 0.5, vocab: int = 64):
-    """A tiny target (layer 0 dense GQA, layer 1 MSA with blocks of 4, top-2) whose next-token
-    logits are mostly a bigram of the current token (residual branches scaled by layer_scale),
-    and a drafter whose base logits are zero (final_norm scale 0) and whose Markov head is that
-    bigram exactly (rank = vocab, W1 = I): it drafts well but not perfectly, so rounds see both
-    acceptances and rejections."""
-    cfg = M3Config.preset(
-        "tiny", vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, index_head_dim=16, rotary_dim=8, dense_intermediate_size=64, intermediate_size=32,
-        shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, index_block_size=4,
-        index_topk_blocks=2, sparse_attention_freq=[0, 1],
-    )
-    torch.manual_seed(0)
-    t = M3ForCausalLM(cfg, mode=mode)
-    with torch.no_grad():
-        for n, p in t.named_parameters():
-            if p.dim() == 1 and p.requires_grad:
-                p.normal_(0, 0.3)
-            if n.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
-                p.mul_(layer_scale)
-        t.lm_head.weight.mul_(head_scale)
-    t.eval()
-    torch.manual_seed(1)
-    d = DSparkDrafter(DSparkConfig.for_target(cfg, "tiny", markov_rank=vocab)).bind(t)
-    with torch.no_grad():
-        d.final_norm.weight.fill_(-1.0)  # (1 + w) = 0: zero base logits
-        d.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
-        d.markov_head.markov_w2.weight.copy_(t.lm_head(t.model.norm(t.model.embed_tokens.weight)).t())
-        d.confidence_head.proj.weight.normal_(0, 0.5)
-    return t, d.eval()
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
@@ -180,8 +149,8 @@ def test_bad_input() -> None:
 
 
 def test_same_engine_plain_decoding_and_chunked_prefill(monkeypatch) -> None:
-    import msakit.spec.generate as sg
-    from msakit.spec import autoregressive_generate
+    import msakit.speculative.generate as sg
+    from msakit.speculative import autoregressive_generate
 
     t, d = bigram_pair("sparse")
     prompt = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(8))
@@ -190,3 +159,42 @@ def test_same_engine_plain_decoding_and_chunked_prefill(monkeypatch) -> None:
     monkeypatch.setattr(sg, "PREFILL_CHUNK", 5)  # the prompt prefilled in 3 pieces
     assert torch.equal(speculative_generate(t, d, prompt, 20, temperature=0), ref)
     assert torch.equal(autoregressive_generate(t, prompt, 20, temperature=0), ref)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_paged_cache_equals_contiguous(mode: str, monkeypatch) -> None:
+    """cache="paged": the target's keys in a PagedKVCache (pages = blocks of 16), verify forwards
+    of up to 8 positions per row through msa_decode (sparse-mode MSA layers), the prompt's chunks
+    over the gathered pages: greedy output equals plain greedy decoding (rollbacks included),
+    the same-engine plain loop too; sampled output is reproducible from its seed."""
+    import msakit.ops.decode as dec
+
+    calls = []
+    real = dec.msa_decode
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape[1])  # nq
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dec, "msa_decode", counting)
+    t, d = bigram_pair(mode, block=16)
+    prompt = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    ref = generate(t, prompt, 40, temperature=0)
+    for kw in [{}, {"confidence_budget": True, "budget_cost": (1.0, 0.3)}]:
+        out, st = speculative_generate(t, d, prompt, 40, temperature=0, return_stats=True, cache="paged", **kw)
+        assert torch.equal(out, ref), kw
+        assert 0 < st.accepted_drafts < st.verified_drafts
+    from msakit.speculative import autoregressive_generate
+
+    assert torch.equal(autoregressive_generate(t, prompt, 40, temperature=0, cache="paged"), ref)
+    assert (mode == "sparse") == bool(calls) and all(n <= 8 for n in calls)
+    g = torch.Generator()  # sampled: the same seed, the same tokens (pooled run state reused or not)
+    a = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cache="paged")
+    b = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(5), cache="paged",
+                             cuda_graph=False)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="cache must be one of"):
+        speculative_generate(t, d, prompt, 4, cache="ring")
+    small, sd = bigram_pair(mode)  # blocks of 4: smaller than msa_decode's pages
+    with pytest.raises(ValueError, match="not supported"):
+        speculative_generate(small, sd, prompt, 4, cache="paged")

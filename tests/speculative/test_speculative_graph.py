@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from msakit.generate import generate
-from msakit.spec import DSparkConfig, DSparkDrafter, autoregressive_generate, speculative_generate
-from msakit.spec.generate import (SpecCache, _StaticRounds, draft_context_update, draft_hidden, target_forward,
+from msakit.speculative import DSparkConfig, DSparkDrafter, autoregressive_generate, speculative_generate
+from msakit.speculative.generate import (SpecCache, _StaticRounds, draft_context_update, draft_hidden, target_forward,
                                   target_step)
 
-from test_speculative_generate import bigram_pair
+from spec_helpers import bigram_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,7 +100,7 @@ def test_graph_flow_with_fake_capture(monkeypatch) -> None:
     the same buffers); greedy / sampled output, the keys (one round graph; with the confidence
     budget one drafter graph and one target graph per verify width) and the clones match the
     eager rounds."""
-    import msakit.spec.generate as sg
+    import msakit.speculative.generate as sg
 
     keys: list = []
 
@@ -143,6 +143,16 @@ def test_graph_flow_with_fake_capture(monkeypatch) -> None:
                        eager)
     assert torch.equal(autoregressive_generate(t, prompt, 30, temperature=0), ref)
     assert keys == ["round", ("target", 1)]
+    # later calls of the same shapes reuse the pooled run states: their graphs replay, none is captured
+    keys.clear()
+    assert torch.equal(speculative_generate(t, d, prompt, 30, temperature=0), ref)
+    assert torch.equal(speculative_generate(t, d, prompt[:, :7], 25, temperature=0), generate(t, prompt[:, :7], 25,
+                                                                                               temperature=0))
+    assert torch.equal(autoregressive_generate(t, prompt, 30, temperature=0), ref)
+    assert keys == []
+    sg.clear_runs(t)
+    assert torch.equal(autoregressive_generate(t, prompt, 30, temperature=0), ref)
+    assert keys == [("target", 1)]
 
 
 # ------------------------------------------------------------------------------------------- CUDA
@@ -232,3 +242,32 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
 @cuda
 def test_cuda_small_preset_speed_and_tokens() -> None:
     gpu_check(new=32, repeats=1)
+
+
+@cuda
+def test_cuda_paged_rounds_graph_equals_eager() -> None:
+    """The paged target cache (verify forwards through msa_decode's Triton kernels) on CUDA: the
+    captured rounds (greedy, the confidence budget's widths, sampled) give the eager rounds'
+    tokens, no graph is disabled, and a second call reuses the pooled graphs."""
+    import msakit.speculative.generate as sg
+
+    t, d = bigram_pair("sparse", block=16)
+    t, d = t.cuda().to(torch.bfloat16), d.cuda().to(torch.bfloat16)
+    prompt = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    before = _graph_failures()
+    sg.clear_runs(t)
+    for kw in [{}, {"confidence_budget": True, "budget_cost": (1.0, 0.3)}]:
+        a = speculative_generate(t, d, prompt, 30, temperature=0, cuda_graph=False, cache="paged", **kw)
+        b = speculative_generate(t, d, prompt, 30, temperature=0, cuda_graph=True, cache="paged", **kw)
+        c = speculative_generate(t, d, prompt, 30, temperature=0, cuda_graph=True, cache="paged", **kw)
+        assert torch.equal(a, b) and torch.equal(b, c), kw
+    assert torch.equal(autoregressive_generate(t, prompt, 20, temperature=0, cuda_graph=False, cache="paged"),
+                       autoregressive_generate(t, prompt, 20, temperature=0, cuda_graph=True, cache="paged"))
+    g = torch.Generator(device="cuda")
+    for seed in (5, 6):
+        s1 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(seed), cuda_graph=False,
+                                  cache="paged")
+        s2 = speculative_generate(t, d, prompt, 12, temperature=1.0, generator=g.manual_seed(seed), cuda_graph=True,
+                                  cache="paged")
+        assert torch.equal(s1, s2)
+    assert _graph_failures() == before

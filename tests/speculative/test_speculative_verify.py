@@ -1,4 +1,4 @@
-"""`msakit.spec.verify`: the lossless rule reproduces the target distribution (chi-square over
+"""`msakit.speculative.verify`: the lossless rule reproduces the target distribution (chi-square over
 >= 100,000 draws, g = 1..7, disjoint supports, a per-row budget, a Markov target across rounds),
 greedy mode, the -1 padding, the confidence-budget scheduler and the shared sampling transform."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from msakit.generate import sample_next
-from msakit.spec.verify import confidence_budget, sample_probs, sampling_probs, verify
+from msakit.speculative.verify import confidence_budget, sample_probs, sampling_probs, verify
 
 N = 200_000
 ALPHA = 1e-6  # significance of each chi-square test (seeded, so deterministic; tiny to stay robust)

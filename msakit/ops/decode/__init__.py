@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._dispatch import use_triton
+from ..dispatch import use_triton
 from ..index_topk import check_selection
 from .reference import FP8, PagedLayer, gather_sequence, msa_decode_reference
 
@@ -81,7 +81,6 @@ class DecodePlan:
     mp: int
     mr: int
     kp: int
-    fused_select: bool
     fuse_combine: bool
     pdl: bool
     score_warps: int
@@ -177,7 +176,6 @@ def plan_decode(
     init_blocks: int = 0,
     seq_lens=None,
     page_table: torch.Tensor | None = None,
-    fused_select: bool = True,
     pdl: bool = False,
     score_impl: str | None = None,
     score_load: str = "auto",
@@ -197,13 +195,13 @@ def plan_decode(
 
     width: the page-table width (max pages per sequence) the plan will serve.  seq_lens (list or
     CPU tensor) and page_table (CPU tensor), when given, are checked (ValueError).  The tuning
-    arguments (splits, stages, warps, fused_select) default to the H200 choice; pdl=True
+    arguments (splits, stages, warps) default to the H200 choice; pdl=True
     launches the attention and combine grids with programmatic dependent launch (Hopper: their
     launch overlaps the previous grid's tail; they wait in griddepcontrol.wait).
 
-    score_impl: None (default) picks by the index keys' dtype as measured on the H200 (run 11):
-    "v1" with 8 warps and the combine kernel for bf16 keys (91.9 us at 1M against v2's 93.6),
-    "v2" with the fused combine for fp8 keys (68.2 us against v1's 89.9).
+    score_impl: None (default) picks by the index keys' dtype as measured on the H200
+    (benchmarks/NOTES.md): "v1" with 8 warps and the combine kernel for bf16 / fp16 keys (91.9 us
+    at 1M against v2's 93.6), "v2" with the fused combine for fp8 keys (68.2 us against v1's 89.9).
     "v2": the scoring kernel with the page as the MMA's M dimension (wgmma
     on Hopper), fp8 index keys scored as exact fp16 tensor-core products, block maxima to a
     scratch and the split's top-k built once after its pages; "v1" the previous kernel (a
@@ -295,7 +293,7 @@ def plan_decode(
         width=width, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, score_splits=S,
         score_impl=score_impl, score_load=score_load, pch=pch,
         cluster=cluster, num_clusters=NC, merge_budget=merge_budget, attn_splits=NSA, qc=qc, nqc=nqc, ma=ma, mp=mp, mr=mr, kp=kp,
-        fused_select=bool(fused_select), fuse_combine=bool(fuse_combine), pdl=bool(pdl), score_warps=score_warps,
+        fuse_combine=bool(fuse_combine), pdl=bool(pdl), score_warps=score_warps,
         score_stages=stages,
         attn_warps=4 if ma <= 64 else 8, device=dev,
         cand=torch.empty(batch, S, mr, kp, dtype=i64, device=dev),

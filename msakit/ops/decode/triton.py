@@ -1,7 +1,6 @@
 """Triton kernels of `msa_decode` (batched, split-K, no host sync, CUDA-graph capturable).
 
-Three launches per call (two with fuse_combine; plus two small merge launches when
-`fused_select=False`):
+Three launches per call (two with fuse_combine):
 
 1. `_score_kernel`, grid (S, B): split s of sequence b scores the pages
    [s * n / S, (s + 1) * n / S) of its n = ceil(L / page_size) pages.  One read of an
@@ -18,9 +17,9 @@ Three launches per call (two with fuse_combine; plus two small merge launches wh
    CL lists into one (cand2 [B, NC, MR, KP]); the last cluster of a sequence merges the NC
    cluster lists into the final selection block_idx [B, G, nq, topk] (descending score, forced
    first, -1 padded).  The merges are tl.topk's bitonic merge-and-halve stages on the presorted
-   lists (no serial rounds).  The counters return to 0 for the next call.  With
-   fused_select=False the same two merges run as two small kernels instead.
-1'. `_score2_kernel` (plan score_impl="v2", the default), same grid and selection merges: the
+   lists (no serial rounds).  The counters return to 0 for the next call.
+1'. `_score2_kernel` (plan score_impl="v2": the default for fp8 index keys; bf16 / fp16 keys
+   default to v1, `plan_decode`), same grid and selection merges: the
    page is the MMA's M dimension, S^T [PS, MP] = K [PS, Di] @ Q^T [Di, MP] (on Hopper a
    wgmma with the key tile straight from shared memory: no per-page register round trip of the
    tile; loads through a tensor map (score_load="tma") or cp.async), fp8 keys are scored as
@@ -49,7 +48,7 @@ the page-table width through the plan), so one capture serves every replay.  Wit
 pdl=True, kernels 2 and 3 use programmatic dependent launch (their CTAs start during the
 previous grid's tail and wait in griddepcontrol.wait before reading its output).
 
-Checked without a GPU (bench.compile_report): every kernel compiles for sm_90 (Triton 3.6,
+Checked without a GPU (`tools.bench.decode.compile_report`): every kernel compiles for sm_90 (Triton 3.6,
 ptxas) at the M3 shape without register spills (scoring: 96 registers bf16 / 128 fp8 at
 nq = 1, 168 at nq = 8; attention 214-227); the index-key tile load of the scoring loop is
 software-pipelined (cp.async; one page in flight per program besides the one being scored at
@@ -69,7 +68,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.language.standard import _bitonic_merge_hypercube, _log2  # tl.topk's own building blocks
 
-from .._dispatch import interpret_mode
+from ..dispatch import interpret_mode
 
 FP8 = torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
@@ -184,7 +183,7 @@ def _score_kernel(
     NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
     LOCAL: tl.constexpr, INIT: tl.constexpr, IDX_FP8: tl.constexpr, CODE: tl.constexpr,
-    FUSED: tl.constexpr, CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
+    CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
@@ -227,9 +226,8 @@ def _score_kernel(
     mrow = tl.arange(0, MP)
     cbase = (b64 * S + s) * (MR * KP)
     tl.store(cand_ptr + cbase + mrow[:, None].to(tl.int64) * KP + kcol[None, :], lst, mask=(mrow < MR)[:, None])
-    if FUSED:
-        _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
-                    NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
+    _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
+                NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
 
 
 @triton.jit
@@ -295,7 +293,7 @@ def _score2_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
     LOCAL: tl.constexpr, INIT: tl.constexpr, IDX_FP8: tl.constexpr, CODE: tl.constexpr,
     TMA: tl.constexpr, PCH: tl.constexpr,
-    FUSED: tl.constexpr, CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
+    CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Scoring v2 (see the module docstring): S^T = K Q^T per page (the page's PS tokens are the
@@ -373,34 +371,8 @@ def _score2_kernel(
             run = _top_of_two(run, top, KP)
     lst = tl.where((s % 2) == 1, run, tl.flip(run, 1))  # the merges expect even lists ascending, odd descending
     tl.store(cand_ptr + (b64 * S + s) * (MR * KP) + r[:, None].to(tl.int64) * KP + kcol[None, :], lst)
-    if FUSED:
-        _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
-                    NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
-
-
-@triton.jit
-def _merge1_kernel(cand_ptr, cand2_ptr, bidx_ptr, S, NC,
-                   NQ: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, MR: tl.constexpr, KP: tl.constexpr,
-                   CL: tl.constexpr, RB1: tl.constexpr):
-    c = tl.program_id(0)
-    b = tl.program_id(1)
-    b64 = b.to(tl.int64)
-    n_in = tl.minimum(CL, S - c * CL)
-    src = (b64 * S + c * CL) * (MR * KP)
-    if NC == 1:
-        _merge(cand_ptr, src, n_in, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP, CL, RB1)
-    else:
-        _merge(cand_ptr, src, n_in, cand2_ptr, (b64 * NC + c) * (MR * KP), b, (c % 2) == 1, False,
-               NQ, G, TOPK, MR, KP, CL, RB1)
-
-
-@triton.jit
-def _merge2_kernel(cand2_ptr, bidx_ptr, NC,
-                   NQ: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, MR: tl.constexpr, KP: tl.constexpr,
-                   NC_PAD: tl.constexpr, RB2: tl.constexpr):
-    b = tl.program_id(0)
-    _merge(cand2_ptr, b.to(tl.int64) * NC * (MR * KP), NC, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP,
-           NC_PAD, RB2)
+    _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
+                NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
 
 
 @triton.jit
@@ -596,7 +568,7 @@ def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse
             plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC, plan.bmax.shape[1],
             NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
             LOCAL=plan.local_blocks, INIT=plan.init_blocks, IDX_FP8=pools.index_fp8, CODE=code_idx,
-            TMA=tma, PCH=plan.pch, FUSED=plan.fused_select, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
+            TMA=tma, PCH=plan.pch, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
             NUM_STAGES=plan.score_stages, USE_PDL=pdl, num_warps=plan.score_warps, num_stages=plan.score_stages,
             **pdl_kw,
         )
@@ -606,15 +578,9 @@ def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse
             plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC,
             NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
             LOCAL=plan.local_blocks, INIT=plan.init_blocks, IDX_FP8=pools.index_fp8, CODE=code_idx,
-            FUSED=plan.fused_select, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
+            CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
             NUM_STAGES=plan.score_stages, USE_PDL=pdl, num_warps=plan.score_warps, num_stages=plan.score_stages,
         )
-    if not plan.fused_select:
-        _merge1_kernel[(NC, B)](plan.cand, plan.cand2, plan.block_idx, S, NC, NQ=NQ, G=G, TOPK=plan.topk,
-                                MR=plan.mr, KP=plan.kp, CL=plan.cluster, RB1=RB1, num_warps=4)
-        if NC > 1:
-            _merge2_kernel[(B,)](plan.cand2, plan.block_idx, NC, NQ=NQ, G=G, TOPK=plan.topk, MR=plan.mr,
-                                 KP=plan.kp, NC_PAD=NC_PAD, RB2=RB2, num_warps=4)
     if phases == "select":
         return None, None
     NSA, QC, NQC, MA = plan.attn_splits, plan.qc, plan.nqc, plan.ma

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .._checks import check_qkv, check_scale
+from ..checks import check_qkv, check_scale
 from .reference import dense_attention_reference
 
 __all__ = ["dense_attention"]

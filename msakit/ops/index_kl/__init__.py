@@ -6,8 +6,9 @@ import math
 
 import torch
 
-from .._checks import check_block_idx, check_index_qk, check_positive_int, check_qkv, check_same, check_scale
-from .._dispatch import use_triton
+from ..checks import check_block_idx, check_cu_seqlens, check_index_qk, check_positive_int, check_qkv, check_same, check_scale
+from ..dispatch import use_triton, warn_once
+from .chunked import index_kl_loss_chunked
 from .reference import index_kl_loss_reference, index_kl_loss_varlen_reference, selected_lse_reference
 
 __all__ = [
@@ -97,32 +98,19 @@ torch.library.register_autograd("msakit::index_kl_fwd", _backward, setup_context
 # --------------------------------------------------------------------------------------------
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int, device: torch.device) -> None:
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError("cu_seqlens must be a 1-D tensor [ndocs + 1] of document offsets")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
-    if B != 1:
-        raise ValueError(f"with cu_seqlens the tensors must have B = 1 (documents packed along T), got B={B}")
-    cu = cu_seqlens.long()
-    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}")
-
-
 def index_kl_loss(
     q: torch.Tensor,
     k: torch.Tensor,
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
-    block_idx: torch.Tensor,
+    block_idx: torch.Tensor | None,
     *,
     block_size: int = 128,
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
     lse: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    over: str = "selected",
     backend: str = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
@@ -136,14 +124,18 @@ def index_kl_loss(
 
     lse: optional [B, Hq, T] float32, the main branch's log-sum-exp over the selected tokens (as
     returned by `sparse_attention(..., return_lse=True)`); the kernel then recomputes P from q,
-    k and lse without a statistics pass.  When None it is computed (`selected_lse`).  The
-    reference backend ignores it (it normalises P exactly).
+    k and lse without a statistics pass (so does the chunked path).  When None it is computed
+    (`selected_lse`).  The reference backend ignores it (it normalises P exactly).
     cu_seqlens: optional int32 [ndocs + 1]; then B = 1, the documents are packed along T, block
     ids are relative to each document's start, and the loss is the mean over all (r, i) of all
     documents.
-    backend: "auto" | "triton" | "reference" (see msakit.ops._dispatch).  The Triton path
+    over: "selected" (default) or "all": with "all", P and P_idx are taken over every token
+    j <= i (the dense causal distributions, so blocks never selected get a signal too);
+    block_idx is then ignored and may be None, and lse must be None.
+    backend: "auto" | "triton" | "reference" (see msakit.ops.dispatch).  The Triton path
     computes the loss and the gradients in the forward (one pass; fp32 atomics, so gradients
-    are not bitwise deterministic); float64 inputs always use the reference.
+    are not bitwise deterministic); float64 inputs always use the reference.  Off the kernel
+    (CPU, float64, over="all"), "auto" runs the chunked matmul path of `chunked.py`.
     """
     B, T, Hq, G, D = check_qkv(q, k, None)
     Bi, Ti, Gi, Di = check_index_qk(q_idx, k_idx)
@@ -151,7 +143,12 @@ def index_kl_loss(
         raise ValueError(f"q_idx must have shape [B={B}, T={T}, G={G}, Di], got {tuple(q_idx.shape)}")
     check_same(("q", "q_idx"), (q, q_idx), dtype=False)
     check_positive_int("block_size", block_size)
-    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
+    if over not in ("selected", "all"):
+        raise ValueError(f"over must be 'selected' or 'all', got {over!r}")
+    if over == "selected" or block_idx is not None:
+        check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
+    if over == "all" and lse is not None:
+        raise ValueError("lse is the log-sum-exp over the selected tokens: over='all' takes lse=None")
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     iscale = check_scale("index_softmax_scale", index_softmax_scale, 1.0 / math.sqrt(Di))
     if lse is not None:
@@ -160,10 +157,13 @@ def index_kl_loss(
         if lse.device != q.device:
             raise ValueError(f"lse is on {lse.device} but q is on {q.device}")
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        check_cu_seqlens(cu_seqlens, B, T, q.device)
 
     fp64 = torch.float64 in (q.dtype, q_idx.dtype)
-    if use_triton("index_kl_loss", backend, q.device) and not (fp64 and backend == "auto"):
+    kernel = use_triton("index_kl_loss", backend, q.device) and not (fp64 and backend == "auto")
+    if kernel and over == "all":  # the kernel takes a selection; the chunked path covers "all"
+        warn_once("index_kl_loss:all", "msakit: index_kl_loss(over='all') runs the chunked PyTorch path, not the Triton kernel")
+    if kernel and over == "selected":
         if fp64:
             raise ValueError("backend='triton' for index_kl_loss supports fp16/bf16/fp32 inputs, not float64")
         compute_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
@@ -174,14 +174,19 @@ def index_kl_loss(
             block_size, scale, iscale, compute_grad,
         )
         return loss
+    if backend != "reference":  # CPU (or no usable kernel): chunked matmuls, equal to the reference
+        return index_kl_loss_chunked(
+            q, k, q_idx, k_idx, block_idx, block_size=block_size, softmax_scale=scale,
+            index_softmax_scale=iscale, lse=lse, cu_seqlens=cu_seqlens, over=over,
+        )
     if cu_seqlens is not None:
         return index_kl_loss_varlen_reference(
             q.detach(), k.detach(), q_idx, k_idx, block_idx, cu_seqlens,
-            block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale,
+            block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale, over=over,
         )
     return index_kl_loss_reference(
         q.detach(), k.detach(), q_idx, k_idx, block_idx,
-        block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale,
+        block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale, over=over,
     )
 
 
@@ -206,7 +211,7 @@ def selected_lse(
     check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        check_cu_seqlens(cu_seqlens, B, T, q.device)
     if use_triton("selected_lse", backend, q.device) and q.dtype != torch.float64:
         from .triton import selected_lse_triton
 

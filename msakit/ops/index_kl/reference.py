@@ -7,7 +7,8 @@ Over the tokens T_sel(r, i) selected by block_idx[b, r, i] (j <= i; see sparse_a
     loss        = mean_{b, r, i} KL(P(i, .) || P_idx(i, .))
 
 Gradients reach q_idx and k_idx only.  A row with no selected token contributes 0 (and still
-counts in the mean).
+counts in the mean).  over="all" takes both distributions over every token j <= i instead (the
+selection of every block at or before the query's own block; block_idx is ignored).
 
 Also here: `index_kl_loss_varlen_reference` (documents packed along T, `cu_seqlens`) and
 `selected_lse_reference` (the per-head LSE over the selected tokens that the kernel takes as `lse`).
@@ -42,6 +43,12 @@ def _chunk(q, k, q_idx, k_idx, bidx, row0: int, block_size: int, scale: float, i
     return kl.sum()
 
 
+def all_blocks(B: int, G: int, T: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """int32 [B, G, T, nblk]: every block id on every row (the selection that over="all" means)."""
+    nblk = (T + block_size - 1) // block_size
+    return torch.arange(nblk, dtype=torch.int32, device=device).expand(B, G, T, nblk)
+
+
 def index_kl_loss_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,11 +59,19 @@ def index_kl_loss_reference(
     block_size: int = 128,
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
+    over: str = "selected",
 ) -> torch.Tensor:
-    """Scalar KL(P || P_idx) averaged over (b, r, i); layouts as in docs/msa.md."""
+    """Scalar KL(P || P_idx) averaged over (b, r, i); layouts as in docs/msa.md.
+
+    over="all": over every token j <= i (block_idx is ignored and may be None).
+    """
     B, T, Hq, D = q.shape
     G = k.shape[2]
     Di = q_idx.shape[-1]
+    if over == "all":
+        block_idx = all_blocks(B, G, T, block_size, q.device)
+    elif over != "selected":
+        raise ValueError(f"over must be 'selected' or 'all', got {over!r}")
     K = block_idx.shape[-1]
     scale = default_scale(softmax_scale, D)
     iscale = default_scale(index_softmax_scale, Di)
@@ -82,6 +97,7 @@ def index_kl_loss_varlen_reference(
     block_size: int = 128,
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
+    over: str = "selected",
 ) -> torch.Tensor:
     """Varlen twin: tensors [1, total, ...], block_idx [1, G, total, K] with ids relative to each
     document's start, cu_seqlens [ndocs + 1].  The mean over all (r, i) of all documents."""
@@ -92,8 +108,8 @@ def index_kl_loss_varlen_reference(
         if e <= s:
             continue
         part = index_kl_loss_reference(
-            q[:, s:e], k[:, s:e], q_idx[:, s:e], k_idx[:, s:e], block_idx[:, :, s:e],
-            block_size=block_size, softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale,
+            q[:, s:e], k[:, s:e], q_idx[:, s:e], k_idx[:, s:e], None if over == "all" else block_idx[:, :, s:e],
+            block_size=block_size, softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale, over=over,
         )
         acc = acc + part * (e - s)
     return acc / total

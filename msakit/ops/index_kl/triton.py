@@ -1,7 +1,7 @@
 """Triton kernels for `index_kl_loss` (forward value and gradients in one KV-outer pass) and
 `selected_lse` (the main branch's per-head LSE over the selected tokens).
 
-Work list: `_k2q.build_k2q` (varlen: `_build_k2q_varlen`, same format) inverts block_idx into
+Work list: `k2q.build_k2q` (varlen: `_build_k2q_varlen`, same format) inverts block_idx into
 tiles; a tile is one key (b, g, block) and up to QT * TPP (query, slot) entries that selected
 it.  One program per tile keeps the block's k [bs, D] and k_idx [bs, Di] in shared memory and
 walks its entries QT queries at a time ("sub-tiles"):
@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpret_mode
-from .._k2q import K2Q, build_k2q
+from ..dispatch import interpret_mode
+from ..k2q import build_k2q, k2q_from_keys
 
 __all__ = ["index_kl_fwd_triton", "selected_lse", "selected_lse_triton", "pick_config", "CONFIGS"]
 
@@ -43,23 +43,17 @@ LOG2E = 1.4426950408889634
 
 # QT: queries per sub-tile (>= 16: it is the K dim of the dk dot); TPP: sub-tiles per program
 # (the k2q tile holds QT * TPP entries); HC: heads per S chunk (S^T tile is bs x HC * QT);
-# FLAT: one loop over (sub-tile, head chunk); ST_HC / ST_STAGES: HC / num_stages of the stats
-# kernel (default: HC / num_stages).
+# ST_HC / ST_STAGES: HC / num_stages of the stats kernel (default: HC / num_stages).  Other
+# tilings for GPU sweeps: tools/bench/index_kl.py (SWEEP_CONFIGS).
 CONFIGS: dict[str, dict] = {
-    "interpret": dict(QT=16, TPP=2, HC=8, num_warps=4, num_stages=1, FLAT=True),
+    "interpret": dict(QT=16, TPP=2, HC=8, num_warps=4, num_stages=1),
     # sm_90, checked offline with ptxas (Hq/G = 16, D = Di = bs = 128, bf16): main kernel 255
-    # registers, no spills, ~139 KB smem; FLAT keeps the Q-chunk cp.async pipeline running
-    # across sub-tiles.  The others are for `bench.check_and_bench(sweep=...)`.
-    "sm90": dict(QT=16, TPP=8, HC=8, num_warps=8, num_stages=2, FLAT=True, ST_HC=4, ST_STAGES=3),
-    "sm90_hc4": dict(QT=16, TPP=8, HC=4, num_warps=8, num_stages=3, FLAT=True),
-    "sm90_st8": dict(QT=16, TPP=8, HC=8, num_warps=8, num_stages=2, FLAT=True, ST_HC=8, ST_STAGES=2),
-    "sm90_tpp16": dict(QT=16, TPP=16, HC=8, num_warps=8, num_stages=2, FLAT=True),
-    "sm90_tpp4": dict(QT=16, TPP=4, HC=8, num_warps=8, num_stages=2, FLAT=True),
-    "sm90_nested": dict(QT=16, TPP=8, HC=4, num_warps=8, num_stages=3, FLAT=False),
+    # registers, no spills, ~139 KB smem
+    "sm90": dict(QT=16, TPP=8, HC=8, num_warps=8, num_stages=2, ST_HC=4, ST_STAGES=3),
     # float32 inputs on the GPU: exact fp32 dots ("ieee", FMA; tf32x3 needs > 227 KB smem) — a
     # correctness path, not a fast one.
-    "sm90_fp32": dict(QT=16, TPP=8, HC=2, num_warps=8, num_stages=1, FLAT=True),
-    "default": dict(QT=16, TPP=8, HC=4, num_warps=8, num_stages=2, FLAT=True),
+    "sm90_fp32": dict(QT=16, TPP=8, HC=2, num_warps=8, num_stages=1),
+    "default": dict(QT=16, TPP=8, HC=4, num_warps=8, num_stages=2),
 }
 
 
@@ -81,7 +75,6 @@ def pick_config(device: torch.device, hpg: int, config: dict | str | None = None
         major, _ = torch.cuda.get_device_capability(device)
         name = "sm90" if major == 9 else "default"
         cfg = dict(CONFIGS["sm90_fp32" if dtype == torch.float32 else name])
-    cfg.setdefault("FLAT", True)
     cfg.setdefault("ST_HC", cfg["HC"])
     cfg.setdefault("ST_STAGES", cfg["num_stages"])
     for key in ("HC", "ST_HC"):  # largest power of two dividing hpg, capped by the config's value
@@ -99,7 +92,7 @@ def pick_config(device: torch.device, hpg: int, config: dict | str | None = None
 
 
 def _canonical_rows(block_idx: torch.Tensor, rel: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Like `_k2q.canonical_selection`, with each row's position given by `rel` ([N])."""
+    """Like `k2q.canonical_selection`, with each row's position given by `rel` ([N])."""
     s = block_idx.long().sort(dim=-1).values
     dup = torch.zeros_like(s, dtype=torch.bool)
     dup[..., 1:] = s[..., 1:] == s[..., :-1]
@@ -134,28 +127,7 @@ def _build_k2q_varlen(block_idx: torch.Tensor, cu_seqlens: torch.Tensor, block_s
     nkeys = G * NB
     gv = torch.arange(G, device=dev).view(G, 1, 1)
     key = torch.where(s >= 0, gv * NB + boff[doc].view(1, N, 1) + s, torch.full_like(s, nkeys)).reshape(-1)
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=nkeys + 1)[:nkeys]
-    row_ptr = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
-    row_ptr[1:] = torch.cumsum(counts, 0)
-    q_index = ((order // K) % N).to(torch.int32)
-    q_slot = (order % K).to(torch.int32)
-    tiles = (counts + q_tile - 1) // q_tile
-    tile_end = torch.cumsum(tiles, 0)
-    idx_dtype = torch.int32 if G * N * K < 2**31 else torch.int64
-    max_tiles = (G * N * K + q_tile - 1) // q_tile + nkeys
-    t = torch.arange(max_tiles, device=dev)
-    tkey = torch.searchsorted(tile_end, t, right=True)
-    real = tkey < nkeys
-    tkey_c = tkey.clamp(max=nkeys - 1)
-    first_tile = tile_end[tkey_c] - tiles[tkey_c]
-    start = row_ptr[tkey_c] + (t - first_tile) * q_tile
-    count = torch.minimum(row_ptr[tkey_c + 1] - start, torch.full_like(start, q_tile))
-    count = torch.where(real, count, torch.zeros_like(count)).clamp(min=0)
-    w = K2Q(
-        q_index=q_index, q_slot=q_slot, row_ptr=row_ptr.to(idx_dtype), tile_key=tkey_c.to(torch.int32),
-        tile_start=start.to(idx_dtype), tile_count=count.to(torch.int32), nblocks=NB, q_tile=q_tile,
-    )
+    w = k2q_from_keys(key, nkeys, K, N, q_tile, NB)
     gb = torch.arange(NB, device=dev)
     d = torch.searchsorted(bend.contiguous(), gb, right=True)
     ok = d < ndocs
@@ -392,14 +364,14 @@ def _kl_kernel(
     scale_log2, iscale, grad_scale,
     G: tl.constexpr, HPG: tl.constexpr, HC: tl.constexpr, QT: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BDI: tl.constexpr,
-    VARLEN: tl.constexpr, GRAD: tl.constexpr, FLAT: tl.constexpr,
+    VARLEN: tl.constexpr, GRAD: tl.constexpr,
     PREC_QK: tl.constexpr, PREC_IDX: tl.constexpr,
 ):
     """KL partial of the tile (kl_part[pid]) and, with GRAD, the fp32 gradients (atomics).
 
     lse is token-major [B, T, G*HPG] (natural log), lse_idx [B, G, T]; dq [B, T, G, DI] and
-    dk [B, T, DI] fp32 accumulators.  FLAT: one loop over (sub-tile, head chunk) pairs, so that
-    the Q-chunk loads stay software-pipelined across sub-tiles; else nested loops.
+    dk [B, T, DI] fp32 accumulators.  One loop over (sub-tile, head chunk) pairs, so that the
+    Q-chunk loads stay software-pipelined across sub-tiles.
     """
     pid = tl.program_id(0)
     count = tl.load(tile_count_ptr + pid)
@@ -432,29 +404,20 @@ def _kl_kernel(
     dk_acc = tl.zeros([BS, BDI], dtype=tl.float32)
     n_sub = tl.cdiv(count, QT)
     NCH: tl.constexpr = HPG // HC
-    if FLAT:
-        psum = tl.zeros([BS, QT], dtype=tl.float32)
-        for it in range(0, n_sub * NCH):
-            s = it // NCH
-            hc = it - s * NCH
-            psum += _head_chunk(kb, q_index_ptr, e0, s, hc, count, c_q, c_h, offs_d, dmask, q_base, sq_t, sq_h,
-                                lse_base, scale_log2, G, HPG, HC, QT, BS, PREC_QK)
-            if hc == NCH - 1:
-                kl_acc, dk_acc = _kl_subtile_epilogue(
-                    s, count, psum, kl_acc, dk_acc, kib, offs_j, offs_q, offs_di, dimask, nj, t0i,
-                    q_index_ptr, e0, qi_base, sqi_t, lsei_base, dq_base, iscale, grad_scale,
-                    G, HPG, QT, DI, GRAD, PREC_IDX)
-                psum = tl.zeros([BS, QT], dtype=tl.float32)
-    else:
-        for s in range(0, n_sub):
-            psum = tl.zeros([BS, QT], dtype=tl.float32)
-            for hc in range(0, NCH):
-                psum += _head_chunk(kb, q_index_ptr, e0, s, hc, count, c_q, c_h, offs_d, dmask, q_base, sq_t,
-                                    sq_h, lse_base, scale_log2, G, HPG, HC, QT, BS, PREC_QK)
+    # one loop over (sub-tile, head chunk) pairs: the Q-chunk cp.async pipeline keeps running
+    # across sub-tiles
+    psum = tl.zeros([BS, QT], dtype=tl.float32)
+    for it in range(0, n_sub * NCH):
+        s = it // NCH
+        hc = it - s * NCH
+        psum += _head_chunk(kb, q_index_ptr, e0, s, hc, count, c_q, c_h, offs_d, dmask, q_base, sq_t, sq_h,
+                            lse_base, scale_log2, G, HPG, HC, QT, BS, PREC_QK)
+        if hc == NCH - 1:
             kl_acc, dk_acc = _kl_subtile_epilogue(
                 s, count, psum, kl_acc, dk_acc, kib, offs_j, offs_q, offs_di, dimask, nj, t0i,
                 q_index_ptr, e0, qi_base, sqi_t, lsei_base, dq_base, iscale, grad_scale,
                 G, HPG, QT, DI, GRAD, PREC_IDX)
+            psum = tl.zeros([BS, QT], dtype=tl.float32)
     tl.store(kl_part_ptr + pid, tl.sum(tl.sum(kl_acc, axis=1), axis=0))
     if GRAD:
         tl.atomic_add(dk_ptr + (b * T + tok[:, None]) * DI + offs_di[None, :], dk_acc * grad_scale,
@@ -588,7 +551,7 @@ def index_kl_fwd_triton(q, k, q_idx, k_idx, block_idx, lse, cu_seqlens, block_si
         scale * LOG2E, iscale, iscale / N,
         G=G, HPG=hpg, HC=cfg["HC"], QT=cfg["QT"],
         D=D, DI=Di, BS=_np2(block_size), BD=_np2(D), BDI=_np2(Di),
-        VARLEN=varlen, GRAD=compute_grad, FLAT=cfg["FLAT"],
+        VARLEN=varlen, GRAD=compute_grad,
         PREC_QK=_prec(q.dtype), PREC_IDX=_prec(q_idx.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_index_qk, check_positive_int
-from .._dispatch import use_triton
+from ..checks import check_finite as _check_finite_values
+from ..checks import check_cu_seqlens, check_index_qk, check_positive_int
+from ..dispatch import use_triton
 from .reference import fp8_scoring_inputs, index_topk_reference, index_topk_varlen_reference
 
 __all__ = ["index_topk", "index_topk_reference", "index_topk_varlen_reference"]
@@ -25,26 +26,7 @@ def check_selection(block_size: int, topk: int, local_blocks: int, init_blocks: 
         )
 
 
-def check_cu_seqlens(cu_seqlens: object, q_idx: torch.Tensor) -> None:
-    """cu_seqlens: int32/int64 [ndocs + 1], 0 first, non-decreasing, total last; q_idx [1, total, G, Di].
 
-    The values are checked only for CPU tensors (a CUDA check would synchronise the host).
-    """
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with ndocs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
-    if cu_seqlens.device != q_idx.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q_idx is on {q_idx.device}")
-    if q_idx.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens, q_idx must be packed as [1, total, G, Di], got batch {q_idx.shape[0]}")
-    if cu_seqlens.device.type == "cpu":
-        cu = cu_seqlens.tolist()
-        total = q_idx.shape[1]
-        if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu[:-1], cu[1:])):
-            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at total={total}, got {cu}")
 
 
 @torch.library.custom_op("msakit::index_topk", mutates_args=())
@@ -92,6 +74,7 @@ def index_topk(
     cu_seqlens: torch.Tensor | None = None,
     score_dtype: str | None = None,
     backend: str = "auto",
+    check_finite: bool = False,
 ) -> torch.Tensor:
     """Select, for every (batch b, group r, query i), `topk` key blocks.
 
@@ -106,17 +89,26 @@ def index_topk(
     [1, total, Di]; each document is an independent sequence whose block ids count from its
     first token.  score_dtype: None scores in the inputs' dtype (fp32 accumulation); "fp8"
     quantizes q_idx and k_idx per row to float8_e4m3fn and ranks q8 . k8 * k_scale (see
-    reference.fp8_scoring_inputs).  backend: "auto" | "triton" | "reference" (ops/_dispatch.py).
+    reference.fp8_scoring_inputs).  backend: "auto" | "triton" | "reference" (msakit.ops.dispatch).
     No gradient (int32 output); registered as the custom op msakit::index_topk so that models
     using it trace under torch.compile.
+
+    NaN: a NaN score counts as -inf, in the reference and the kernel alike, so NaN in q_idx or
+    k_idx never wins a slot (a block whose every visible score is NaN is left out, -1 padding
+    instead, unless it is forced).  check_finite=True raises ValueError when q_idx or k_idx
+    holds NaN or inf instead (it reads the tensors: a host sync on CUDA).
     """
     check_index_qk(q_idx, k_idx)
     check_selection(block_size, topk, local_blocks, init_blocks)
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, q_idx)
+        check_cu_seqlens(cu_seqlens, q_idx.shape[0], q_idx.shape[1], q_idx.device, name="q_idx",
+                         check_values=cu_seqlens.device.type == "cpu")  # no host sync on CUDA
     if score_dtype not in SCORE_DTYPES:
         raise ValueError(f"score_dtype must be one of {SCORE_DTYPES}, got {score_dtype!r}")
     use_triton("index_topk", backend, q_idx.device)  # validates backend before anything runs
+    if check_finite:
+        _check_finite_values("q_idx", q_idx)
+        _check_finite_values("k_idx", k_idx)
     return _index_topk_op(
         q_idx, k_idx, cu_seqlens, block_size, topk, local_blocks, init_blocks, score_dtype or "", backend
     )

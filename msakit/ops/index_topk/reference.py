@@ -1,12 +1,14 @@
 """Reference meaning of `index_topk` (pure PyTorch; O(T^2) time, chunked over queries).
 
-    s(i, j)  = q_idx(r, i) . k_idx(j)                for j <= i
+    s(i, j)  = q_idx(r, i) . k_idx(j)                for j <= i  (NaN counts as -inf)
     M(i, b)  = max_{j in block b, j <= i} s(i, j)
     forced   = {i // bs, ..., i // bs - local_blocks + 1} U {0, ..., init_blocks - 1}  (valid ones)
     rest     = valid blocks (b <= i // bs) by descending M, ties to the lower block id
     row      = forced (ascending id), then rest, truncated to topk, padded with -1
 
-The scale of s does not change the ranking, so none is applied.
+The scale of s does not change the ranking, so none is applied.  A NaN score counts as -inf:
+a block whose scores are all NaN is never selected unless it is forced (NaN in q_idx or k_idx
+never wins a slot).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .._gather import chunk_rows, compute_dtype
+from ..fp8 import quantize_fp8_reference
 
 
 def index_topk_reference(
@@ -44,6 +47,7 @@ def index_topk_reference(
         nb = (off + i1 - 1) // block_size + 1  # blocks any row of this chunk can see
         jmax = min(Tk, nb * block_size)
         s = torch.einsum("bigd,bjd->bgij", qf[:, i0:i1], kf[:, :jmax])  # [B, G, C, jmax]
+        s = s.masked_fill(torch.isnan(s), float("-inf"))  # a NaN score is never selected
         rows = torch.arange(off + i0, off + i1, device=dev).view(-1, 1)
         cols = torch.arange(jmax, device=dev).view(1, -1)
         s = s.masked_fill(cols > rows, float("-inf"))
@@ -92,28 +96,6 @@ def index_topk_varlen_reference(
     return out
 
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def quantize_fp8_rows(x: torch.Tensor, chunk_rows: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (last dim) symmetric float8_e4m3fn quantization: x ~= xq.float() * scale[..., None].
-
-    Returns (xq float8_e4m3fn with x's shape, scale float32 with x's shape minus the last dim).
-    All-zero rows get the smallest normal scale (their codes are 0).  Works on chunks of
-    `chunk_rows` rows so the float32 temporaries stay small (q_idx at 1M tokens is 2 GiB in fp32).
-    """
-    D = x.shape[-1]
-    rows = x.reshape(-1, D)
-    xq = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-    for r0 in range(0, rows.shape[0], chunk_rows):
-        xf = rows[r0:r0 + chunk_rows].float()
-        s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        xq[r0:r0 + chunk_rows] = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        scale[r0:r0 + chunk_rows] = s.squeeze(-1)
-    return xq.view(x.shape), scale.view(x.shape[:-1])
-
-
 def fp8_scoring_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 (q, k) whose exact scores the FP8 scoring path ranks.
 
@@ -122,6 +104,6 @@ def fp8_scoring_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple[torch.
     row and is applied to each key.  index_topk_reference on these tensors is the meaning of
     `score_dtype="fp8"` (up to float32 rounding order).
     """
-    q8, _ = quantize_fp8_rows(q_idx)
-    k8, ks = quantize_fp8_rows(k_idx)
+    q8, _ = quantize_fp8_reference(q_idx)
+    k8, ks = quantize_fp8_reference(k_idx)
     return q8.float(), k8.float() * ks.unsqueeze(-1)

@@ -29,8 +29,8 @@ synchronisation.
 
 Running top-k
 -------------
-Each row keeps `topk` slots (a tuple of [BLOCK_M] vectors in the score tile's row layout, so
-no layout conversion and no cross-thread reduction is involved) sorted ascending by
+Each row keeps `topk` slots (split over the 4 lanes of a quad, below: no layout conversion
+and no cross-thread reduction beyond the quad's shuffles is involved) sorted ascending by
 (score, -id): slot 0 is the entry to evict next.  Forced blocks (own block, the
 local_blocks - 1 before it, the first init_blocks) score +inf, blocks past the row's own block
 -inf.  Blocks arrive in ascending id order; block kb with score x enters a row through a
@@ -44,25 +44,24 @@ evicted first.  The kept set is exactly the topk largest (score, -id) keys, the 
 ranking.  Empty slots hold (-inf, -1), so the row written out as slots topk-1 .. 0 is the
 reference's order: forced ids ascending, then by score (ties to the lower id), then -1.
 
-Where the state lives (LANES).  In the wgmma accumulator the 4 lanes of a quad hold the same
-rows (lane t: the columns c with (c // 2) % 4 == t).  LANES=1 reduces each row to one value and
-keeps all `topk` slots in every lane of the quad, so the 4 lanes run the same network 4 times.
-LANES=4 keeps the per-lane partial maxima [BLOCK_M, 4] (a reshape of the score tile, reduced
-inside each thread), takes the row max with 2 quad shuffles, and splits the KP = 4 * ceil(topk
-/ 4) slots over the quad: lane t holds slots KL*t .. KL*t + KL - 1 (KL = KP / 4), so each lane
-runs a KL-slot network whose top slot's upper neighbour is lane t + 1's slot 0 (one shfl.down
-of the value and of the id; +inf above lane 3).  The top topk of the KP slots are written
-out.  That is ~3x fewer ALU-pipe instructions per key block (the row max, 64 FMNMX per thread,
-is then the largest part), and 4x less state (16 instead of 64 registers for 2 rows).  The
+Where the state lives.  In the wgmma accumulator the 4 lanes of a quad hold the same rows
+(lane t: the columns c with (c // 2) % 4 == t).  The kernel keeps the per-lane partial maxima
+[BLOCK_M, 4] (a reshape of the score tile, reduced inside each thread), takes the row max with 2
+quad shuffles, and splits the KP = 4 * ceil(topk / 4) slots over the quad: lane t holds slots
+KL*t .. KL*t + KL - 1 (KL = KP / 4), so each lane runs a KL-slot network whose top slot's upper
+neighbour is lane t + 1's slot 0 (one shfl.down of the value and of the id; +inf above lane 3).
+The top topk of the KP slots are written out.  Against every lane keeping a row's whole top-k
+(the 4 lanes then run the same network 4 times) that is ~3x fewer ALU-pipe instructions per key
+block (the row max, 64 FMNMX per thread, is then the largest part) and 4x less state.  The
 shuffle assumes the quad is the tensor's axis 1 (lane bits 0, 1), which `shfl_layouts_ok`
 checks on the compiled TTGIR (at the first launch of each configuration, and in the tests);
-the interpreter runs the same network with a gather.  Optionally (SKIP, LANES=1 only) a tile
-skips the network when no row's score beats its minimum (rarely, with 128 rows a tile).
+where it fails, and under the interpreter (no inline asm), the same network takes the lane
+neighbour by a gather.
 
 FP8 scoring (score_dtype="fp8")
 -------------------------------
 q_idx and k_idx are quantized per row to float8_e4m3fn with float32 scales (reference.py,
-`quantize_fp8_rows`, bit for bit by `quantize_fp8`, one Triton pass each); the fp8 x fp8 dot
+`msakit.ops.fp8.quantize_fp8`: `quantize_fp8_triton`, one Triton pass each); the fp8 x fp8 dot
 runs at twice the bf16 rate on Hopper.  The q scale
 is positive per row and cannot change the row's ranking, so it is dropped; the k scale varies
 along the row and multiplies each score column before the block max.
@@ -74,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpret_mode, warn_once
+from ..dispatch import interpret_mode, warn_once
 
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
@@ -106,23 +105,18 @@ def _score_block(
     q, k_base, k_desc, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok, k_row0,
     BS: tl.constexpr, DI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NSUB: tl.constexpr, HAS_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_KSCALE: tl.constexpr, DOT_F32: tl.constexpr, TF32X3: tl.constexpr, LANES: tl.constexpr,
-    TMA: tl.constexpr,
+    USE_KSCALE: tl.constexpr, DOT_F32: tl.constexpr, TF32X3: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Max over key block kb's tokens (j <= tok when CAUSAL) of each row's scores.
-
-    LANES == 1: [BLOCK_M].  LANES == 4: [BLOCK_M, 4], column t the max over the key columns c
-    with (c // 2) % 4 == t -- the columns lane t of a quad holds in the MMA accumulator, so the
-    reduction stays inside each thread; the row max is then the max over the 4 lanes.
+    """Max over key block kb's tokens (j <= tok when CAUSAL) of each row's scores, as [BLOCK_M, 4]:
+    column t the max over the key columns c with (c // 2) % 4 == t -- the columns lane t of a
+    quad holds in the MMA accumulator, so the reduction stays inside each thread; the row max is
+    then the max over the 4 lanes.
     Without CAUSAL the block lies entirely before the tile's first token: no mask at all
     (except the padding columns of a block that is not a multiple of BLOCK_N).
     """
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
-    if LANES == 4:
-        mb = tl.full([BLOCK_M, 4], NEG_INF, tl.float32)
-    else:
-        mb = tl.full([BLOCK_M], NEG_INF, tl.float32)
+    mb = tl.full([BLOCK_M, 4], NEG_INF, tl.float32)
     for sub in tl.static_range(NSUB):
         n_in = sub * BLOCK_N + rn  # position inside the block
         col = kb * BS + n_in  # key position inside the sequence
@@ -164,43 +158,24 @@ def _score_block(
             s = tl.where(ok, s, NEG_INF)
         elif HAS_PAD:
             s = tl.where((n_in < BS)[None, :], s, NEG_INF)
-        if LANES == 4:
-            part = tl.max(tl.max(tl.reshape(s, [BLOCK_M, BLOCK_N // 8, 4, 2]), 3), 1)
-            mb = tl.maximum(mb, part)
-        else:
-            mb = tl.maximum(mb, tl.max(s, 1))
+        # NaN scores count as -inf (never selected): the reductions ignore NaN on the GPU
+        # (max.f32), so a partial max is NaN only when all its scores are; it is mapped to -inf
+        # here, once per (row, lane) and sub-tile, so the interpreter (whose elementwise maximum
+        # propagates NaN) ranks exactly as the GPU does
+        part = tl.max(tl.max(tl.reshape(s, [BLOCK_M, BLOCK_N // 8, 4, 2]), 3), 1)
+        mb = tl.maximum(mb, tl.where(part == part, part, NEG_INF))
     return mb
 
 
 @triton.jit
-def _topk_insert(vals, ids, x, kb, K: tl.constexpr):
-    """Insert block kb with row scores x into each row's sorted top-K (see the module docstring).
-
-    vals/ids: tuples of K [BLOCK_M] vectors, ascending by (value, -id): slot 0 is the next to be
-    evicted.  With c_s = vals[s] < x (true on a prefix), slot s takes vals[s + 1] where c_{s+1}
-    (shift down, dropping slot 0), x where c_s and not c_{s+1}, and keeps its entry otherwise;
-    x <= vals[0] changes nothing, so an equal score never displaces an earlier (lower) id.
-    """
-    nv = ()
-    ni = ()
-    c_s = vals[0] < x
-    for s in tl.static_range(K):
-        if s + 1 < K:
-            c_n = vals[s + 1] < x
-            nv = nv + (tl.where(c_n, vals[s + 1], tl.where(c_s, x, vals[s])),)
-            ni = ni + (tl.where(c_n, ids[s + 1], tl.where(c_s, kb, ids[s])),)
-            c_s = c_n
-        else:
-            nv = nv + (tl.where(c_s, x, vals[s]),)
-            ni = ni + (tl.where(c_s, kb, ids[s]),)
-    return nv, ni
-
-
-@triton.jit
 def _topk_insert_lanes(vals, ids, x, kb, lt, KL: tl.constexpr, SHFL_ASM: tl.constexpr):
-    """The same network on the lane-split state: vals/ids are KL tensors [BLOCK_M, 4], slot
-    KL * t + j in vals[j][:, t]; x [BLOCK_M, 1].  The upper neighbour of lane t's top slot is
-    lane t + 1's slot 0 (one shuffle), +inf above the top slot (lane 3).
+    """Insert block kb with row scores x [BLOCK_M, 1] into each row's sorted top-K, held
+    lane-split (see the module docstring): vals/ids are KL tensors [BLOCK_M, 4], slot KL * t + j
+    in vals[j][:, t], ascending by (value, -id) over the slots.  With c_s = slot_s < x (true on a
+    prefix), slot s takes slot s + 1 where c_{s+1} (shift down, dropping slot 0), x where c_s and
+    not c_{s+1}, and keeps its entry otherwise; x <= slot 0 changes nothing, so an equal score
+    never displaces an earlier (lower) id.  The upper neighbour of lane t's top slot is lane
+    t + 1's slot 0 (one shuffle), +inf above the top slot (lane 3).
     """
     up_v = tl.where(lt == 3, POS_INF, _next_lane(vals[0], lt, SHFL_ASM))
     up_i = _next_lane(ids[0], lt, SHFL_ASM)
@@ -222,28 +197,14 @@ def _topk_insert_lanes(vals, ids, x, kb, lt, KL: tl.constexpr, SHFL_ASM: tl.cons
 
 
 @triton.jit
-def _step(vals, ids, mb, kb, forced, lt, K: tl.constexpr, KL: tl.constexpr, LANES: tl.constexpr,
-          SKIP: tl.constexpr, SHFL_ASM: tl.constexpr, FORCED: tl.constexpr):
+def _step(vals, ids, mb, kb, forced, lt, KL: tl.constexpr, SHFL_ASM: tl.constexpr, FORCED: tl.constexpr):
     """Reduce block kb's partial maxima to a row score, force, insert."""
-    if LANES == 4:
-        x = tl.max(mb, 1)
-        if FORCED == 1:  # every row forces this block (an init block before the tile)
-            x = tl.full(x.shape, POS_INF, tl.float32)
-        elif FORCED == 2:
-            x = tl.where(forced, POS_INF, x)
-        vals, ids = _topk_insert_lanes(vals, ids, x[:, None], kb, lt, KL, SHFL_ASM)
-    else:
-        x = mb
-        if FORCED == 1:
-            x = tl.full(x.shape, POS_INF, tl.float32)
-        elif FORCED == 2:
-            x = tl.where(forced, POS_INF, x)
-        if SKIP:  # the whole tile skips the network when no row beats its current minimum
-            if tl.max((x > vals[0]).to(tl.int32), 0) > 0:
-                vals, ids = _topk_insert(vals, ids, x, kb, K)
-        else:
-            vals, ids = _topk_insert(vals, ids, x, kb, K)
-    return vals, ids
+    x = tl.max(mb, 1)
+    if FORCED == 1:  # every row forces this block (an init block before the tile)
+        x = tl.full(x.shape, POS_INF, tl.float32)
+    elif FORCED == 2:
+        x = tl.where(forced, POS_INF, x)
+    return _topk_insert_lanes(vals, ids, x[:, None], kb, lt, KL, SHFL_ASM)
 
 
 @triton.jit
@@ -257,9 +218,9 @@ def _index_topk_kernel(
     local_blocks, init_blocks,
     G: tl.constexpr, DI: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NSUB: tl.constexpr,
-    HAS_PAD: tl.constexpr, TOPK: tl.constexpr, SKIP: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_PAD: tl.constexpr, TOPK: tl.constexpr, VARLEN: tl.constexpr,
     USE_KSCALE: tl.constexpr, DOT_F32: tl.constexpr, TF32X3: tl.constexpr,
-    LANES: tl.constexpr, SHFL_ASM: tl.constexpr, TMA: tl.constexpr,
+    SHFL_ASM: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if VARLEN:
@@ -311,54 +272,41 @@ def _index_topk_kernel(
     n_plain = tl.maximum(tl.minimum(n_full, tok_lo // BS - local_blocks + 1), n_init)
     own = tok // BS
 
-    KL: tl.constexpr = (TOPK + 3) // 4  # slots per lane when LANES == 4
+    KL: tl.constexpr = (TOPK + 3) // 4  # slots per lane
     vals = ()
     ids = ()
-    if LANES == 4:
-        lt = tl.arange(0, 4)[None, :]
-        for _s in tl.static_range(KL):
-            vals = vals + (tl.full([BLOCK_M, 4], NEG_INF, tl.float32),)
-            ids = ids + (tl.full([BLOCK_M, 4], -1, tl.int32),)
-    else:
-        lt = 0
-        for _s in tl.static_range(TOPK):
-            vals = vals + (tl.full([BLOCK_M], NEG_INF, tl.float32),)
-            ids = ids + (tl.full([BLOCK_M], -1, tl.int32),)
+    lt = tl.arange(0, 4)[None, :]
+    for _s in tl.static_range(KL):
+        vals = vals + (tl.full([BLOCK_M, 4], NEG_INF, tl.float32),)
+        ids = ids + (tl.full([BLOCK_M, 4], -1, tl.int32),)
 
     for kb in range(0, n_init):
         mb = _score_block(q, k_base, k_desc, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok, k_row0,
-                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, False, USE_KSCALE, DOT_F32, TF32X3,
-                          LANES, TMA)
-        vals, ids = _step(vals, ids, mb, kb, None, lt, TOPK, KL, LANES, SKIP, SHFL_ASM, 1)
+                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, False, USE_KSCALE, DOT_F32, TF32X3, TMA)
+        vals, ids = _step(vals, ids, mb, kb, None, lt, KL, SHFL_ASM, 1)
     for kb in range(n_init, n_plain):
         mb = _score_block(q, k_base, k_desc, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok, k_row0,
-                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, False, USE_KSCALE, DOT_F32, TF32X3,
-                          LANES, TMA)
-        vals, ids = _step(vals, ids, mb, kb, None, lt, TOPK, KL, LANES, SKIP, SHFL_ASM, 0)
+                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, False, USE_KSCALE, DOT_F32, TF32X3, TMA)
+        vals, ids = _step(vals, ids, mb, kb, None, lt, KL, SHFL_ASM, 0)
     for kb in range(n_plain, n_blk):
         mb = _score_block(q, k_base, k_desc, ks_base, stride_kt, stride_kd, stride_kst, kb, seq_len, tok, k_row0,
-                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, True, USE_KSCALE, DOT_F32, TF32X3,
-                          LANES, TMA)
+                          BS, DI, BLOCK_M, BLOCK_N, BLOCK_D, NSUB, HAS_PAD, True, USE_KSCALE, DOT_F32, TF32X3, TMA)
         forced = ((kb <= own) & (kb > own - local_blocks)) | ((kb < init_blocks) & (kb <= own))
-        vals, ids = _step(vals, ids, mb, kb, forced, lt, TOPK, KL, LANES, SKIP, SHFL_ASM, 2)
+        vals, ids = _step(vals, ids, mb, kb, forced, lt, KL, SHFL_ASM, 2)
 
     # slots ascend by (score, -id); the reference lists them descending (forced ids ascending,
     # then by score, ties to the lower id), then -1 for the empty slots, which hold id -1
     o_rows = out_ptr + b64 * stride_ob + grp.to(tl.int64) * stride_og + (start64 + tok.to(tl.int64)) * stride_ot
-    if LANES == 4:
-        # slot KL * t + j of KP = 4 * KL goes to column KP - 1 - (KL * t + j) when that is < TOPK
-        for j in tl.static_range(KL):
-            pos = 4 * KL - 1 - (KL * lt + j)
-            tl.store(o_rows[:, None] + pos * stride_os, ids[j], mask=row_ok[:, None] & (pos < TOPK))
-    else:
-        for s in tl.static_range(TOPK):
-            tl.store(o_rows + (TOPK - 1 - s) * stride_os, ids[s], mask=row_ok)
+    # slot KL * t + j of KP = 4 * KL goes to column KP - 1 - (KL * t + j) when that is < TOPK
+    for j in tl.static_range(KL):
+        pos = 4 * KL - 1 - (KL * lt + j)
+        tl.store(o_rows[:, None] + pos * stride_os, ids[j], mask=row_ok[:, None] & (pos < TOPK))
 
 
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, xq_ptr, s_ptr, n_rows, D, stride_x,
                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CAST: tl.constexpr):
-    """Per-row float8_e4m3fn quantization, `reference.quantize_fp8_rows` bit for bit.
+    """Per-row float8_e4m3fn quantization, `msakit.ops.fp8.quantize_fp8_reference` bit for bit.
 
     CAST=False (the interpreter, whose float32 -> e4m3 conversion does not round to nearest
     even) writes the clamped float32 quotients for the host to convert.
@@ -371,7 +319,11 @@ def _quantize_fp8_kernel(x_ptr, xq_ptr, s_ptr, n_rows, D, stride_x,
     x = tl.load(x_ptr + r64[:, None] * stride_x + d[None, :], mask=m, other=0.0).to(tl.float32)
     # IEEE-rounded divisions (Triton's `/` is the approximate div.full.f32), as torch divides
     s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), tl.full([BLOCK_R], 448.0, tl.float32)), FP8_TINY)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(s[:, None], [BLOCK_R, BLOCK_D])), -448.0), 448.0)
+    # a row holding NaN gets a NaN scale and NaN codes, as torch's amax gives (the max above
+    # ignores NaN on the GPU): its scores are then NaN, i.e. never selected
+    s = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), s)
+    y = tl.math.div_rn(x, tl.broadcast_to(s[:, None], [BLOCK_R, BLOCK_D]))
+    y = tl.minimum(tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0, propagate_nan=tl.PropagateNan.ALL)
     if CAST:
         y = y.to(tl.float8e4nv)
     tl.store(xq_ptr + r64[:, None] * D + d[None, :], y, mask=m)
@@ -396,33 +348,36 @@ def block_n_for(block_size: int, cap: int = 128) -> int:
 
 # GPU configurations (H100/H200, sm_90), keyed by the scoring dtype class and head dim.
 # BLOCK_M rows = BLOCK_M / G tokens with all their groups.  Keys (all optional but BLOCK_M,
-# num_warps, num_stages): LANES (4: top-k slots split over the 4 lanes of a quad, 1: every lane
-# keeps a row's whole top-k), TMA (key tiles by tensor-memory-accelerator copies instead of
-# per-thread cp.async), SKIP (LANES=1 only: the tile skips the insert when no row improves),
-# BLOCK_N_MAX (keys per dot), maxnreg (register cap), SHFL (LANES=4: False takes the lane
-# neighbour by tl.gather, which moves the row max through shared memory, instead of the inline
-# shfl.down; the fallback when `shfl_layouts_ok` rejects a layout).  The 16-bit default fits 2 CTAs per SM
-# (128 registers x 8 warps, 97 KiB shared memory with 2 key stages): one CTA's reductions and
-# top-k run while the other's wgmma runs -- a single warpgroup cannot overlap them itself
-# (Triton waits for each dot before its first use, and a dot left in flight across iterations
-# makes ptxas serialise the wgmma, C7514).  fp8 (fewer shared-memory bytes, more registers for
-# the key scales) gets there with 4 warps x 128 rows.  See bench.CANDIDATE_CONFIGS.
+# num_warps, num_stages): TMA (key tiles by tensor-memory-accelerator copies instead of
+# per-thread cp.async), BLOCK_N_MAX (keys per dot), maxnreg (register cap), SHFL (False takes
+# the lane neighbour by tl.gather, which moves the row max through shared memory, instead of the
+# inline shfl.down; the fallback when `shfl_layouts_ok` rejects a layout).  The 16-bit default
+# fits 2 CTAs per SM (128 registers x 8 warps, 97 KiB shared memory with 2 key stages): one
+# CTA's reductions and top-k run while the other's wgmma runs -- a single warpgroup cannot
+# overlap them itself (Triton waits for each dot before its first use, and a dot left in flight
+# across iterations makes ptxas serialise the wgmma, C7514).  fp8 (fewer shared-memory bytes,
+# more registers for the key scales) gets there with 4 warps x 128 rows.  Other configurations
+# for GPU sweeps: tools/bench/index_topk.py (CANDIDATE_CONFIGS).
 GPU_CONFIGS = {
-    ("16bit", 128): dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=True, maxnreg=128),
-    ("16bit", 256): dict(BLOCK_M=128, num_warps=8, num_stages=2, LANES=4, TMA=True),
-    ("fp8", 128): dict(BLOCK_M=128, num_warps=4, num_stages=4, LANES=4, TMA=True),
-    ("fp8", 256): dict(BLOCK_M=128, num_warps=4, num_stages=2, LANES=4, TMA=True),
+    ("16bit", 128): dict(BLOCK_M=128, num_warps=8, num_stages=2, TMA=True, maxnreg=128),
+    ("16bit", 256): dict(BLOCK_M=128, num_warps=8, num_stages=2, TMA=True),
+    ("fp8", 128): dict(BLOCK_M=128, num_warps=4, num_stages=4, TMA=True),
+    ("fp8", 256): dict(BLOCK_M=128, num_warps=4, num_stages=2, TMA=True),
     # float32 inputs: 3-pass tf32 (near-fp32 accuracy); 64-key tiles to fit shared memory
-    ("fp32", 128): dict(BLOCK_M=64, BLOCK_N_MAX=64, num_warps=4, num_stages=2, LANES=4, TMA=False),
-    ("fp32", 256): dict(BLOCK_M=64, BLOCK_N_MAX=32, num_warps=4, num_stages=2, LANES=4, TMA=False),
+    ("fp32", 128): dict(BLOCK_M=64, BLOCK_N_MAX=64, num_warps=4, num_stages=2, TMA=False),
+    ("fp32", 256): dict(BLOCK_M=64, BLOCK_N_MAX=32, num_warps=4, num_stages=2, TMA=False),
 }
-INTERPRET_CONFIG = dict(BLOCK_M=64, num_warps=4, num_stages=1, LANES=4, TMA=False)
+# Under the interpreter: the GPU configuration of the same kind (the same code branches: TMA
+# key loads for 16-bit and fp8, cp.async for fp32) with smaller tiles and one stage.
+INTERPRET_OVERRIDES = dict(BLOCK_M=64, num_warps=4, num_stages=1)
 
 
 def default_config(kind: str, head_dim: int) -> dict:
+    cfg = dict(GPU_CONFIGS[(kind, 128 if head_dim <= 128 else 256)])
     if interpret_mode():
-        return dict(INTERPRET_CONFIG)
-    return dict(GPU_CONFIGS[(kind, 128 if head_dim <= 128 else 256)])
+        cfg.update(INTERPRET_OVERRIDES)
+        cfg.pop("maxnreg", None)
+    return cfg
 
 
 def build_varlen_tiles(cu_seqlens: torch.Tensor, total: int, G: int, block_m: int) -> torch.Tensor:
@@ -467,11 +422,11 @@ def index_topk_triton(
     """Kernel entry (arguments already checked by `index_topk`).  Returns int32 [B, G, T, topk].
 
     config: overrides of the default configuration (`GPU_CONFIGS`); one with num_warps is a whole
-    configuration, whose omitted variant keys mean LANES=1, TMA off, SKIP on, no register cap.
+    configuration, whose omitted keys mean TMA off, no register cap, the shuffle on.
     """
     if score_dtype == "fp8":
-        q8, _ = quantize_fp8(q_idx)
-        k8, ks = quantize_fp8(k_idx)
+        q8, _ = quantize_fp8_triton(q_idx)
+        k8, ks = quantize_fp8_triton(k_idx)
         return launch(q8, k8, ks, block_size=block_size, topk=topk, local_blocks=local_blocks,
                       init_blocks=init_blocks, cu_seqlens=cu_seqlens, config=config)
     if q_idx.dtype == torch.float64:  # the kernel scores in float32
@@ -480,8 +435,8 @@ def index_topk_triton(
                   init_blocks=init_blocks, cu_seqlens=cu_seqlens, config=config)
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.quantize_fp8_rows` in one Triton pass (read x, write codes and scales)."""
+def quantize_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`msakit.ops.fp8.quantize_fp8` in one Triton pass (read x, write codes and scales)."""
     D = x.shape[-1]
     rows = x.reshape(-1, D)
     if rows.stride(-1) != 1:
@@ -519,7 +474,7 @@ def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_s
     cfg = default_config(kind, Di)
     if config:
         if "num_warps" in config:  # a whole configuration: variant keys it omits take their base values
-            for key in ("LANES", "TMA", "SKIP", "maxnreg", "SHFL"):  # LANES=1, TMA off, SKIP on, no cap
+            for key in ("TMA", "maxnreg", "SHFL"):  # TMA off, no register cap, shuffle on
                 cfg.pop(key, None)
         cfg.update(config)
     block_m = int(cfg["BLOCK_M"])
@@ -536,9 +491,9 @@ def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_s
     if T * G >= 2**31 - block_m:
         raise ValueError(f"index_topk: T * G = {T * G} rows exceed the kernel's int32 row index")
 
-    lanes = int(cfg.get("LANES", 1))
-    if lanes not in (1, 4):
-        raise ValueError(f"index_topk config: LANES must be 1 or 4, got {lanes}")
+    unknown = set(cfg) - {"BLOCK_M", "num_warps", "num_stages", "TMA", "BLOCK_N_MAX", "maxnreg", "SHFL"}
+    if unknown:
+        raise ValueError(f"index_topk config: unknown keys {sorted(unknown)}")
     use_tma = bool(cfg.get("TMA", False)) and _tma_ok(k, B, T)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -576,11 +531,11 @@ def _prepare(q, k, k_scale, *, block_size, topk, local_blocks, init_blocks, cu_s
     constexprs = dict(
         G=G, DI=Di, BS=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NSUB=nsub,
-        HAS_PAD=nsub * block_n != block_size, TOPK=topk, SKIP=bool(cfg.get("SKIP", lanes == 1)),
+        HAS_PAD=nsub * block_n != block_size, TOPK=topk,
         VARLEN=cu_seqlens is not None, USE_KSCALE=fp8,
         DOT_F32=interpret_mode() and q.dtype == torch.bfloat16,
         TF32X3=q.dtype == torch.float32,
-        LANES=lanes, SHFL_ASM=lanes == 4 and bool(cfg.get("SHFL", True)) and not interpret_mode(), TMA=use_tma,
+        SHFL_ASM=bool(cfg.get("SHFL", True)) and not interpret_mode(), TMA=use_tma,
     )
     options = dict(num_warps=int(cfg["num_warps"]), num_stages=num_stages)
     if cfg.get("maxnreg") and not interpret_mode():  # register cap (e.g. 128: 2 CTAs of 8 warps per SM)
@@ -631,24 +586,7 @@ def _shfl_checked(args, grid, constexprs, options) -> bool:
     return ok
 
 
-# ----------------------------------------------------------------------------- ahead-of-time check
-
-def compile_for(q, k, k_scale=None, *, capability: int = 90, **kw):
-    """Compile (not run) the kernel a `launch` with these arguments would use, for a CUDA target.
-
-    Needs no GPU (the triton wheel ships ptxas) and TRITON_INTERPRET unset.  Tensors may live on
-    the CPU; integer arguments are specialised like the launcher does (== 1 -> constant,
-    multiple of 16 -> divisibility hint; pointers are assumed 16-byte aligned).  Returns the
-    triton CompiledKernel (asm["ttgir"], asm["ptx"], asm["cubin"], metadata.shared).
-    """
-    from msakit._cuda_compile import compile_cuda
-
-    if interpret_mode():
-        raise RuntimeError("compile_for needs TRITON_INTERPRET unset (the kernel is interpreted otherwise)")
-    _, _, args, constexprs, options = _prepare(q, k, k_scale, **kw)
-    return compile_cuda(_index_topk_kernel, dict(zip(_index_topk_kernel.arg_names, args)), constexprs,
-                        capability=capability, **options)
-
+# ----------------------------------------------------------------------------- layout check
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
     """Split at `sep` outside <>, [], {} and ()."""
@@ -741,106 +679,3 @@ def shfl_layouts_ok(ttgir: str) -> bool:
         if any(b[1] != 0 for b in reg + lane[2:] + warp):
             return False
     return True
-
-
-# SASS instructions of the integer/compare/select ("ALU") pipe, half rate on sm_90: the per-block
-# row max (FMNMX) and the top-k network (FSETP/FSEL/SEL) run here
-_ALU_OPS = ("FMNMX", "SEL", "FSEL", "FSETP", "ISETP", "IADD3", "LOP3", "SHF", "VIMNMX", "P2R", "R2P", "PLOP3",
-            "IMNMX", "LEA", "PRMT", "VIADD", "IABS", "BMSK")
-
-
-def _sass_loops(sass: str) -> list[list[tuple[int, str]]]:
-    """Bodies (address, opcode) of the backward-branch loops that contain a wgmma, smallest first."""
-    import re
-
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    addr = {a: i for i, (a, _, _) in enumerate(ins)}
-    loops = []
-    for i, (a, op, rest) in enumerate(ins):
-        m = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in addr:
-            body = [(x, o) for x, o, _ in ins[addr[int(m.group(1), 16)]: i + 1]]
-            if any("GMMA" in o for _, o in body):
-                loops.append(body)
-    return sorted(loops, key=len)
-
-
-def resource_usage(compiled, num_warps: int | None = None) -> dict:
-    """Registers, spill stack, shared memory, occupancy and the main loop of a compiled kernel.
-
-    main_loop_*: the smallest loop holding the wgmma (the unmasked key-block loop): its SASS
-    instruction count, ALU-pipe instructions (`_ALU_OPS`), wgmma instructions, wgmma waits
-    (WARPGROUP.DEPBAR), CTA barriers, and `wait_then_alu`: the wait comes right after the last
-    wgmma of the block, before the block's reduction (no MMA/ALU overlap inside a warpgroup).
-    """
-    import re
-
-    from msakit._cuda_compile import cuobjdump
-
-    res, sass = cuobjdump(compiled)
-    reg = re.search(r"REG:(\d+)", res)
-    stack = re.search(r"STACK:(\d+)", res)
-    regs = int(reg.group(1)) if reg else -1
-    shared = int(compiled.metadata.shared)
-    warps = num_warps or int(compiled.metadata.num_warps)
-    # CTAs per SM: 64K registers (per-warp allocation in 256-register units), 228 KiB shared
-    # memory (+1 KiB reserved per CTA), 64 warps
-    reg_warp = -(-max(regs, 1) * 32 // 256) * 256
-    ctas = min(65536 // (reg_warp * warps), (228 * 1024) // (shared + 1024), 64 // warps)
-    row = {
-        "regs": regs,
-        "stack": int(stack.group(1)) if stack else -1,
-        "shared": shared,
-        "ctas_per_sm": ctas,
-        "local_loads": sass.count("LDL"),
-        "gmma": sass.count("HGMMA") + sass.count("QGMMA"),
-        "async_copies": compiled.asm["ttgir"].count("async_copy_global_to_local"),
-        "tma_copies": compiled.asm["ttgir"].count("async_tma_copy_global_to_local"),
-        "shfl_layout_ok": shfl_layouts_ok(compiled.asm["ttgir"]),
-    }
-    loops = _sass_loops(sass)
-    if loops:
-        body = loops[0]
-        ops = [o.split(".")[0] for _, o in body]
-        last_mma = max(i for i, o in enumerate(ops) if o in ("HGMMA", "QGMMA"))
-        waits = [i for i, (_, o) in enumerate(body) if o.startswith("WARPGROUP.DEPBAR")]
-        first_max = next((i for i, o in enumerate(ops) if o == "FMNMX" and i > last_mma), None)
-        row.update(
-            main_loop_instrs=len(body),
-            main_loop_alu=sum(o in _ALU_OPS for o in ops),
-            main_loop_gmma=sum(o in ("HGMMA", "QGMMA") for o in ops),
-            main_loop_waits=len(waits),
-            main_loop_bars=ops.count("BAR"),
-            wait_then_alu=bool(waits) and first_max is not None and any(last_mma < w < first_max for w in waits),
-        )
-    return row
-
-
-def compile_report(T: int = 4096, G: int = 4, Di: int = 128, block_size: int = 128, topk: int = 16,
-                   configs: dict | None = None) -> list[dict]:
-    """sm_90 resource usage of the M3-shape kernels (bf16, fp8, varlen bf16), without a GPU.
-
-    configs: {variant: [config dict or None (the default), ...]} for variants "bf16", "fp8",
-    "bf16_varlen" (default: the default configuration of each).
-    """
-    q = torch.empty((1, T, G, Di), dtype=torch.bfloat16)
-    k = torch.empty((1, T, Di), dtype=torch.bfloat16)
-    q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
-    ks = torch.empty((1, T), dtype=torch.float32)
-    cu = torch.tensor([0, T // 2, T], dtype=torch.int32)
-    kw = dict(block_size=block_size, topk=topk, local_blocks=1, init_blocks=0)
-    variants = [
-        ("bf16", (q, k, None), {}),
-        ("fp8", (q8, k8, ks), {}),
-        ("bf16_varlen", (q, k, None), {"cu_seqlens": cu}),
-    ]
-    rows = []
-    for name, (a, b, c), extra in variants:
-        for cfg in (configs or {}).get(name, [None]):
-            ck = compile_for(a, b, c, config=cfg, **kw, **extra)
-            rows.append({"variant": name, "config": cfg, **resource_usage(ck)})
-    return rows

@@ -1,6 +1,6 @@
 """`sparse_attention`: attention restricted to the selected key blocks of each (group, query).
 
-Backends (see `.._dispatch`): the KV-outer Triton kernels of `triton.py` (forward and backward,
+Backends (see `msakit.ops.dispatch`): the KV-outer Triton kernels of `triton.py` (forward and backward,
 registered as the custom ops ``msakit::sparse_attention_fwd`` / ``msakit::sparse_attention_bwd``
 with fake implementations and autograd, so they work under torch.compile) or the PyTorch
 reference of `reference.py` (the meaning).
@@ -12,8 +12,9 @@ import math
 
 import torch
 
-from .._checks import check_block_idx, check_positive_int, check_qkv, check_scale
-from .._dispatch import use_triton, warn_once
+from ..checks import check_block_idx, check_cu_seqlens, check_positive_int, check_qkv, check_scale
+from ..dispatch import use_triton, warn_once
+from .chunked import sparse_attention_chunked
 from .reference import sparse_attention_reference, sparse_attention_varlen_reference
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_varlen_reference", "SparseAttentionFunction"]
@@ -107,22 +108,6 @@ def _bwd_op(*args):
 
 
 # ------------------------------------------------------------------------------ public op
-def _check_cu_seqlens(cu_seqlens: object, B: int, T: int, device: torch.device) -> None:
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with ndocs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
-    if B != 1:
-        raise ValueError(f"with cu_seqlens, q must be packed as [1, total, Hq, D], got batch {B}")
-    c = cu_seqlens.long()
-    if int(c[0]) != 0 or int(c[-1]) != T or bool((c[1:] < c[:-1]).any()):
-        raise ValueError(f"cu_seqlens must rise from 0 to total={T} without decreasing, got {cu_seqlens.tolist()}")
-
-
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -146,7 +131,8 @@ def sparse_attention(
     cu_seqlens: int32 [ndocs + 1] for a packed variable-length batch (B = 1, T = total): the
     documents [cu_seqlens[d], cu_seqlens[d+1]) attend only inside themselves and their block
     ids count from each document's start.  backend: "auto" | "triton" | "reference"
-    (`msakit.ops._dispatch`).  Differentiable in q, k, v (and through lse).
+    (`msakit.ops.dispatch`); off the kernel, "auto" runs the chunked matmul path of `chunked.py`
+    and "reference" the reference itself.  Differentiable in q, k, v (and through lse).
     validate=False skips the range check of block_idx's values (a host sync on CUDA) for a
     selection known to be valid, such as index_topk's output.
     """
@@ -155,7 +141,7 @@ def sparse_attention(
     check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        check_cu_seqlens(cu_seqlens, B, T, q.device)
     if use_triton("sparse_attention", backend, q.device):
         why = _kernels().kernel_supports(q.dtype, D, block_size, q.device)
         if why is None:
@@ -166,6 +152,8 @@ def sparse_attention(
             raise ValueError(f"backend='triton' for sparse_attention does not take {why}")
         warn_once(f"sparse_attention:{why}", f"msakit: sparse_attention falls back to the PyTorch reference for {why}")
     kw = dict(block_size=block_size, softmax_scale=scale, return_lse=return_lse)
+    if backend != "reference":  # CPU (or no usable kernel): chunked matmuls, equal to the reference
+        return sparse_attention_chunked(q, k, v, block_idx, cu_seqlens=cu_seqlens, **kw)
     if cu_seqlens is not None:
         return sparse_attention_varlen_reference(q, k, v, block_idx, cu_seqlens, **kw)
     return sparse_attention_reference(q, k, v, block_idx, **kw)

@@ -9,8 +9,9 @@ the integer g*N + that start token, so unaligned document starts need nothing sp
 the causal rule "key token j <= query token n" (flat indices) also keeps every token inside
 its document and below N.
 
-Work list (`_build_items`: torch ops on the device, no host sync; it generalises
-`_k2q.build_k2q` to query chunks, documents and bounded items).  Per chunk of C query rows:
+Work list (`_build_items`: three Triton kernels around one torch sort on the device, no host
+sync; it generalises `k2q.build_k2q` to query chunks, documents and bounded items).  Per chunk
+of C query rows:
 canonicalise each (group, row) selection (drop -1, duplicates and blocks past the row's own
 block; ascending, valid first; slot = position) -> entries (query n, slot s) stably sorted by
 key -> *items*: runs of at most `item_queries` entries of one key.  One program takes one item:
@@ -21,7 +22,7 @@ pipeliner does not overlap an indirect gather).  Items of one key are adjacent i
 reuse in L2), every item is at most the same work (hot keys are simply more items), and the
 grid is an upper bound (`max_items`; padding items do nothing).
 
-Forward combine (choice (b) of the design brief):
+Forward combine:
   every (query, head, slot) gets a partial output normalised by its own softmax sum, in
   q.dtype, plus its own lse_s = m_s + log l_s in fp32.  The partial buffers are *entry-major*
   (`OP` [M entries x Hq/G heads, D], `LP` [M x Hq/G]; entry = position in the key-sorted work
@@ -39,14 +40,14 @@ Forward combine (choice (b) of the design brief):
   ~0.8 MB of HBM traffic for 67 MFLOP (~85 FLOP/B, under the H200's ~190 FLOP/B ridge): the
   forward is memory-bound.  At T = 128K: ~103 GB = ~26 ms at 4 TB/s (main kernel ~17 ms,
   merge ~9 ms) against 8.8 TFLOP = ~14 ms of MMA at 650 TFLOP/s: ~27-32 ms, i.e. ~280-330
-  TFLOP/s effective; the work list (two torch sorts per chunk) adds ~0.3 ms per chunk.
+  TFLOP/s effective; the work list (one torch sort per chunk) adds ~0.4 ms per chunk.
   Memory: partial buffers per chunk of C query rows, C set so that they take <= CHUNK_BYTES
   (5 GiB: C = 19,712 rows at M3's shape, 269 KB per row): the forward's peak extra memory is
   ~5 GiB at any T >= 20K (plus lse itself and ~50 B per entry of a chunk's work list).  The
   backward: BWD_CHUNK_BYTES (8 GiB) of dq partials + fp32 dK/dV (4 GiB at 1M) + 8 B per
   (token, head) of delta and lse: ~12.5 GiB at 1M.
 
-Backward (dq, dk, dv), over the same kind of items (longer: 256 queries):
+Backward (dq, dk, dv), over the same kind of items (longer: 512 queries):
   a small kernel writes delta = rowsum(dO * O) - dlse and lse * log2(e) token-major [N, Hq];
   per item, K and V stay on chip and dK, dV accumulate in fp32 registers over all sub-tiles,
   then go to fp32 [N, G, D] buffers with one atomic add per element per item (~4% of the
@@ -63,37 +64,11 @@ Backward (dq, dk, dv), over the same kind of items (longer: 256 queries):
   the forward pays only the K/V load (~+10% at 1M).
 
 Inputs: fp16/bf16 on the GPU (fp32 too under the interpreter), block_size and head dim <= 128
-(`kernel_supports`).  Kernel configs: FWD_CONFIGS / BWD_CONFIGS (compiled for sm_90 with the
-bundled ptxas: none spills at M3's shape); `bench.check_and_bench(sweep=True)` times them,
-`bench.gpu_run()` sweeps them quickly and profiles ablations (`ablate=` of both launchers:
-no partial stores, no Q gather, no merge / reduce...; timing only).
-Measured (H200, 128K, M3; benchmarks/NOTES.md runs 3-7): forward kernel 24.4 ms + merge
-10.2 ms + work list ~3 ms (216 TFLOP/s end to end; the work list's cummin / cummax scans took
-45 ms before they became binary searches); backward kernel 63 ms.  ncu (16K): IPC 1.47, issue
-slots 37% busy, stalls spread over long scoreboard / wait / barrier (the output's layout change
-through shared memory): latency-bound with one warpgroup per CTA and two CTAs per SM.  QREG
-(Q fed to wgmma from registers, which removes the in-loop generic->async proxy fence) measured
-slower (91.8 vs 85.1 ms in run 3), so the default config keeps Q in shared memory.
-
-Session-3 variants (every one gives the baseline's o / lse bit for bit; knobs so that one GPU
-call A/Bs them: `bench.ab_run`; `bench.compile_report` compiles them for sm_90 without a GPU):
-  * merge (MERGE_CONFIGS / MERGE_DEFAULT, "v1" = the measured baseline): `_sa_slot_merge_kernel`
-    takes block_t rows x one group's heads per program (each (row, slot) partial = one 4 KB run),
-    forms the max from one 2-D INV load + one 2-D LP gather, and its slot loop is software-
-    pipelined by Triton (num_stages: cp.async of the next steps' partials into shared memory).
-    v1 (128 registers, 2 CTAs/SM) has at most 2 slots x 16 KB per program in flight, in
-    registers, and waits a DRAM latency per step; "v2s3t1" (64 registers, 17 KB, 8 CTAs/SM)
-    keeps ~2 x 8 KB per program (~128 KB per SM) in flight through the loop.  Reads 34 GB at 128K:
-    10.2 ms = 3.4 TB/s; predicted 8-9 ms (3.9-4.3 TB/s) if latency was the limit.
-  * work list (WORKLIST, "torch" = the baseline): `_build_items_tl` = 3 Triton kernels around
-    torch's one global sort and one cumsum (~10 launches per chunk instead of ~45): the
-    canonical selection by rank counting (no per-row sorts), run starts / item counts by
-    in-kernel binary searches, items scattered to their place (cumsum index, no host sync).
-  * forward configs: scalar_diag (the diagonal-mask test from the sub-tile's first entry: the
-    loop's CTA-wide min, 3 of its 11 barriers, goes), tma_store (full sub-tiles' o by a TMA
-    store), longer items (128, 256): see FWD_CONFIGS.
-  * OVERLAP (off): two half-size partial buffers, each chunk's merge on a high-priority side
-    stream while the next chunk's work list and main kernel run.
+(`kernel_supports`).  Kernel configurations: FWD_CONFIG / BWD_CONFIG (compiled for sm_90 with
+the bundled ptxas: no spills at M3's shape); `tools/bench/sparse_attention.py` times them and
+compiles them without a GPU.  The measurements that chose them, and the variants they were
+chosen over, are in benchmarks/NOTES.md ("Variants removed"); the tunables are listed in
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -107,10 +82,8 @@ import triton.language as tl
 
 __all__ = [
     "KernelConfig",
-    "MergeConfig",
-    "FWD_CONFIGS",
-    "MERGE_CONFIGS",
-    "BWD_CONFIGS",
+    "FWD_CONFIG",
+    "BWD_CONFIG",
     "CHUNK_BYTES",
     "BWD_CHUNK_BYTES",
     "kernel_supports",
@@ -121,11 +94,11 @@ __all__ = [
 # Bytes the per-chunk partial buffers may take: forward o + lse partials (5 GiB keeps the
 # forward's peak extra memory at 1M under 8 GiB), backward dq partials (8 GiB: bigger chunks
 # mean fewer items per key, hence fewer K/V loads and dK/dV atomics; the backward also holds
-# fp32 dK/dV accumulators, 8 B per key token and dim).  Override with MSAKIT_SA_CHUNK_BYTES /
-# MSAKIT_SA_BWD_CHUNK_BYTES.
-CHUNK_BYTES = int(os.environ.get("MSAKIT_SA_CHUNK_BYTES", str(5 << 30)))
-BWD_CHUNK_BYTES = int(os.environ.get("MSAKIT_SA_BWD_CHUNK_BYTES", str(8 << 30)))
-REDUCE_WARPS = 8  # slot-merge / dq-reduce kernels: 64 rows x D per program, 122 / 88 registers
+# fp32 dK/dV accumulators, 8 B per key token and dim).  `chunk_rows=` of the launchers
+# overrides them per call.
+CHUNK_BYTES = 5 << 30
+BWD_CHUNK_BYTES = 8 << 30
+REDUCE_WARPS = 8  # forward slot merge / backward prologue: 64 rows x D per program
 MAX_BLOCK = 128  # largest block_size and head dim the kernels take (K, V resident in shared memory)
 
 
@@ -138,106 +111,22 @@ class KernelConfig:
     item_queries: int
     num_warps: int
     num_stages: int
-    prefetch: bool = True
-    qreg: bool = False  # forward: Q fed to wgmma from registers (no per-sub-tile proxy fence)
-    chunk_bytes: int = 0  # partial-buffer budget per query chunk (0: CHUNK_BYTES / BWD_CHUNK_BYTES)
-    tma_store: bool = False  # forward: full sub-tiles' partial o rows go out by a TMA (descriptor) store
-    scalar_diag: bool = False  # forward: diagonal-block test from the sub-tile's first entry (no CTA-wide min)
 
 
-@dataclass(frozen=True)
-class MergeConfig:
-    """The forward's slot merge / the backward's dq reduce.  version 1: `_sa_slot_reduce_kernel`
-    (the measured baseline: 64 rows per program, 8 warps; the other fields unused); 2:
-    `_sa_slot_merge_kernel` (same results bit for bit): block_t rows of the chunk x the heads of
-    one group per program (block_t x 16 (row, head) pairs), num_warps, num_stages (> 1: the slot
-    loop software-pipelined through shared memory), evict (eviction hint of the partial loads:
-    "evict_first" or "")."""
-
-    version: int
-    block_t: int = 4
-    num_warps: int = 8
-    num_stages: int = 1
-    evict: str = "evict_first"
-
-
-# Chosen by compiling for sm_90 (ptxas: no spills in any of these; registers / shared memory
-# noted).  "p" = hand-pipelined (next sub-tile's Q prefetched into registers, num_stages=1);
-# "q" = QREG.  Measured on the H200 at 128K (M3 shape, before QREG): m64w4p 86 ms, m128w8p
-# 99.5, m64w8p 110, m128w8s3 104, m64w4s3 93 (forward); m32w8p 124 ms, m16w8p 145, m32w8s3
-# 149, m16w8s2 187 (backward).  m64w4p's loop had a generic->async proxy fence per sub-tile
-# (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, before the QK^T wgmma read Q from shared memory),
-# which waits for the previous sub-tile's partial-output stores; QREG removes it (1 fence,
-# outside the loop) and 24 registers.  Item length and chunk budget are not constexprs: the
-# variants that differ only in those share one compiled kernel.
-# (m128w8pq = KernelConfig(128, 64, 8, 1, True, True): 236 regs, 96 KB, 1 CTA/SM; left out
-# of the sweep to save a compile: m128w8p was 15% slower than m64w4p.)
-FWD_CONFIGS = {
-    "m64w4pq": KernelConfig(64, 64, 4, 1, True, True),  # 231 regs, 80 KB smem: 2 CTAs/SM
-    "m64w4pq128": KernelConfig(64, 128, 4, 1, True, True),  # longer items: half the K/V loads
-    "m64w4pq1g": KernelConfig(64, 64, 4, 1, True, True, 1 << 30),  # 1 GiB chunks (~3.9K rows)
-    "m64w4p": KernelConfig(64, 64, 4, 1, True),  # the measured baseline: 255 regs, 80 KB
-    # not yet measured (session 3 candidates):
-    "m64w4p128": KernelConfig(64, 128, 4, 1, True),  # longer items: half the K/V loads and programs
-    "m64w4p256": KernelConfig(64, 256, 4, 1, True),
-    # scalar diagonal test: 3 of the loop's 11 CTA barriers gone (SASS), same results bit for bit
-    "m64w4pd": KernelConfig(64, 64, 4, 1, True, scalar_diag=True),
-    "m64w4pd128": KernelConfig(64, 128, 4, 1, True, scalar_diag=True),
-    "m64w4pqd": KernelConfig(64, 64, 4, 1, True, True, scalar_diag=True),
-    # TMA store of full sub-tiles' o (stmatrix + one bulk copy: 3 barriers instead of 4, but a
-    # second MEMBAR.ALL.CTA per sub-tile, after the next Q rows' loads are issued: may stall on them)
-    "m64w4pdt": KernelConfig(64, 64, 4, 1, True, tma_store=True, scalar_diag=True),
-    "m64w4pqdt": KernelConfig(64, 64, 4, 1, True, True, tma_store=True, scalar_diag=True),
-}
-BWD_CONFIGS = {
-    "m32w8p": KernelConfig(32, 256, 8, 1, True),  # 254 regs, 112 KB: 1 CTA/SM
-    "m32w8p512": KernelConfig(32, 512, 8, 1, True),  # longer items: half the K/V loads + atomics
-    "m32w8p2g": KernelConfig(32, 256, 8, 1, True, False, 2 << 30),  # 2 GiB chunks (~7.8K rows)
-}
-# run 3 sweep: m64w4p 85.1 ms vs 91.8 (pq) at 128K; m64w4pd = m64w4p with scalar_diag (same
-# results bit for bit, 3 fewer barriers per sub-tile; not yet measured: m64w4p to go back)
-# run 11 (H200, 128K, forward without index_topk): m64w4p128 36.5 ms, m64w4pd 37.9, m64w4p 37.1
-FWD_DEFAULT = os.environ.get("MSAKIT_SA_FWD_CONFIG", "m64w4p128")
-BWD_DEFAULT = os.environ.get("MSAKIT_SA_BWD_CONFIG", "m32w8p512")  # run 3: 124.2 ms vs 125.1
-# Slot merge (forward) and dq reduce (backward).  "v1" is the measured baseline (10.2 ms of
-# merge at 128K): 64 (row, head) pairs per program whose max pass walks the KS slots with two
-# dependent global loads per slot (INV, then LP) before the first partial is requested.
-MERGE_CONFIGS = {
-    "v1": MergeConfig(1),
-    # v2 (compiled for sm_90: registers, shared memory, CTAs per SM by registers, ~KB of partials
-    # in flight per SM; v1: 128 regs, 2 CTAs, 64 KB in registers, waited on every step)
-    "v2": MergeConfig(2, 4, 8, 1),  # 127 regs, 4 KB, 2 CTAs: v1 + the 2-D INV / LP prefetch
-    "v2s3t1": MergeConfig(2, 1, 4, 3),  # 64 regs, 17 KB, 8 CTAs, ~128 KB (cp.async, 3 stages)
-    "v2s4t1": MergeConfig(2, 1, 4, 4),  # 64 regs, 26 KB, 8 CTAs, ~192 KB
-    "v2s3t2w8": MergeConfig(2, 2, 8, 3),  # 78 regs, 34 KB, 3 CTAs, ~96 KB
-    "v2s3t2": MergeConfig(2, 2, 4, 3),  # 162 regs, 34 KB, 3 CTAs, ~96 KB
-    "v2s2t4w4": MergeConfig(2, 4, 4, 2),  # 168 regs, 34 KB, 3 CTAs, ~96 KB
-    "v2s3t1n": MergeConfig(2, 1, 4, 3, ""),  # v2s3t1 without the eviction hint
-}
-# run 11, one 128K chunk: merge v1 1.57 ms, v2 1.67, v2s3t1 3.53 (the per-program 4 KB gathers
-# of the v2 family lose to v1's wider rows); the backward's dq reduce: v2s3t1 1.33 ms, v1 1.44
-MERGE_DEFAULT = os.environ.get("MSAKIT_SA_MERGE_CONFIG", "v1")
-REDUCE_DEFAULT = os.environ.get("MSAKIT_SA_REDUCE_CONFIG", "v2s3t1")  # the backward's dq reduce
-# Work list builder: "torch" (`_build_items`, the measured baseline: ~45 torch ops per chunk,
-# ~3 ms of 55 at 128K) or "triton" (`_build_items_tl`: 3 kernels + torch's sort and cumsum).
-WORKLIST = os.environ.get("MSAKIT_SA_WORKLIST", "triton")  # run 11: 0.36 ms per 128K chunk vs torch 0.97
-# Forward only: two half-size partial buffers, chunk i's merge on a high-priority side stream
-# while chunk i+1's work list and main kernel run (same peak memory, twice the chunks).  The
-# merge is memory-bound and the main kernel latency-bound, so the merge's CTAs can take SM slots
-# as main-kernel CTAs retire.  A bet (not yet measured): off by default.
-OVERLAP = os.environ.get("MSAKIT_SA_OVERLAP", "0") == "1"
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(dev: torch.device):
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    st = _SIDE_STREAMS.get(key)
-    if st is None:
-        st = _SIDE_STREAMS[key] = torch.cuda.Stream(device=dev, priority=-100)  # clamped to the highest
-    return st
-# Under the interpreter: small tiles and short items so that tests exercise the sub-tile loop,
-# several items per key and the atomics.
-INTERPRET_FWD = KernelConfig(16, 16, 4, 1, scalar_diag=True)
+# The GPU defaults (H200, M3 shape).  Forward: 64-row sub-tiles (4 queries x 16 heads), items of
+# 128 queries, 4 warps, the next sub-tile's Q rows prefetched into registers by hand (Triton's
+# pipeliner does not overlap an indirect gather).  Backward: 32-row sub-tiles, items of 512
+# queries, 8 warps (254 registers, 112 KB of shared memory: 1 CTA per SM).
+FWD_CONFIG = KernelConfig(64, 128, 4, 1)
+BWD_CONFIG = KernelConfig(32, 512, 8, 1)
+# The backward's dq reduce (`_sa_dq_reduce_kernel`): one row x the heads of one group per
+# program, the slot loop software-pipelined over 3 stages (cp.async of the next slots'
+# partials into shared memory), 4 warps.
+DQ_REDUCE_STAGES = 3
+DQ_REDUCE_WARPS = 4
+# Under the interpreter: the same kernels and code branches with small tiles and short items,
+# so that tests exercise the sub-tile loop, several items per key and the atomics.
+INTERPRET_FWD = KernelConfig(16, 16, 4, 1)
 INTERPRET_BWD = KernelConfig(16, 32, 4, 1)
 
 
@@ -291,61 +180,7 @@ def _row_docs(n0: int, C: int, T: int, cu_seqlens: torch.Tensor | None, device) 
     return start, n - start
 
 
-def _build_items(
-    sel: torch.Tensor,
-    doc_start: torch.Tensor,
-    pos: torch.Tensor,
-    n0: int,
-    N: int,
-    block_size: int,
-    item_queries: int,
-    nkeys_bound: int,
-) -> _Items:
-    """Block->query work list of rows n0 .. n0+C-1 (sel = their selections, int [G, C, K])."""
-    G, C, K = sel.shape
-    dev = sel.device
-    # canonical selection: a set of blocks with a token j <= i, ascending, valid first
-    s = sel.long().sort(dim=-1).values
-    dup = torch.zeros_like(s, dtype=torch.bool)
-    dup[..., 1:] = s[..., 1:] == s[..., :-1]
-    s = s.masked_fill(dup | (s * block_size > pos.view(1, C, 1)), -1)
-    big = torch.iinfo(torch.int64).max
-    s = torch.where(s < 0, torch.full_like(s, big), s).sort(dim=-1).values
-    valid = s != big
-    nvalid = valid.sum(dim=-1, dtype=torch.int32)
-    # key = g * N + start token of the block; sentinel G * N sorts last
-    kspace = G * N
-    kdt = torch.int32 if kspace < 2**31 - 1 else torch.int64
-    gg = torch.arange(G, device=dev, dtype=torch.int64).view(G, 1, 1) * N
-    key = torch.where(valid, gg + doc_start.view(1, C, 1) + s.clamp(max=N) * block_size, torch.full_like(s, kspace))
-    skey, order = torch.sort(key.reshape(-1).to(kdt), stable=True)
-    M = G * C * K
-    ent_q = (n0 + (order // K) % C).to(torch.int32)
-    inv = torch.empty(M, dtype=torch.int32, device=dev)
-    inv[order] = torch.arange(M, device=dev, dtype=torch.int32)
-    idx = torch.arange(M, device=dev, dtype=torch.int64)
-    # first entry of each entry's key run, and one past its last (binary searches in the sorted
-    # keys: torch's cummax / cummin scans took 45 ms of a 103 ms forward at T = 128K on the H200)
-    run_start = torch.searchsorted(skey, skey, right=False)
-    run_end = torch.searchsorted(skey, skey, right=True)
-    rank = idx - run_start
-    first = (skey < kspace) & (rank % item_queries == 0)
-    cnt = torch.clamp(run_end - idx, max=item_queries)
-    max_items = (M + item_queries - 1) // item_queries + min(M, nkeys_bound)
-    # item t starts at the (t+1)-th `first` entry (no scatter, no host sync)
-    csum = torch.cumsum(first, 0)
-    st = torch.searchsorted(csum, torch.arange(1, max_items + 1, device=dev, dtype=csum.dtype))
-    real = st < M
-    st = st.clamp(max=M - 1)
-    it_start = st
-    it_count = torch.where(real, cnt[st], torch.zeros_like(st)).to(torch.int32)
-    it_key = skey[st].long()
-    return _Items(ent_q, it_key, it_start, it_count, nvalid, inv, max_items)
-
-
-# Work list in three Triton kernels around torch's one global sort (WORKLIST = "triton"): the
-# same _Items, bit for bit (padding items aside: theirs are zeros), from ~10 launches per chunk
-# instead of ~45 torch ops (sorts of the rows, masks, two searchsorted, gathers).
+# The work list: three Triton kernels around torch's one global sort (~10 launches per chunk).
 @triton.jit
 def _wl_canon_kernel(
     SEL, s_g, s_t, s_k, DOC, KEY, NV,
@@ -432,7 +267,7 @@ def _wl_item_kernel(SKEY, FIRST, CSUM, IT_KEY, IT_START, IT_COUNT, M, item_q, NS
     tl.store(IT_COUNT + it, lo - e, mask=f)
 
 
-def _build_items_tl(
+def _build_items(
     sel: torch.Tensor,
     doc_start: torch.Tensor | None,
     pos: torch.Tensor | None,
@@ -443,8 +278,9 @@ def _build_items_tl(
     nkeys_bound: int,
     T: int = 0,
 ) -> _Items:
-    """`_build_items` with Triton kernels (see `_wl_canon_kernel`).  doc_start = None: documents
-    are the B rows of length T (no cu_seqlens; `pos` is then unused, computed in the kernel)."""
+    """Block->query work list of rows n0 .. n0+C-1 (sel = their selections, int [G, C, K]; see
+    `_wl_canon_kernel`).  doc_start = None: documents are the B rows of length T (no cu_seqlens;
+    `pos` is then unused, computed in the kernel)."""
     G, C, K = sel.shape
     dev = sel.device
     M = G * C * K
@@ -518,31 +354,14 @@ def _needs_causal_mask(row_ok, rel, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _sa_fwd_kernel(
-    Q, K, V, OP, LP, OP_DESC,
+    Q, K, V, OP, LP,
     ENT_Q, IT_KEY, IT_START, IT_COUNT,
-    N, n0, qk_scale, C_ROWS,
+    N, n0, qk_scale,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    QREG: tl.constexpr = False, ABL: tl.constexpr = 0, TMA_STORE: tl.constexpr = False,
-    SCALAR_DIAG: tl.constexpr = False,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
-    # SCALAR_DIAG: whether a sub-tile needs the causal mask comes from its first entry's query
-    # alone (an item's entries are in ascending query order: the stable key sort keeps the
-    # (group, row, slot) order within a key), one scalar load issued at the top of the step,
-    # instead of `_needs_causal_mask`'s CTA-wide min (shared memory + 3 barriers per sub-tile).
-    # TMA_STORE: a full sub-tile's partial o rows (BLOCK_M x BLOCK_D, contiguous) go out through
-    # OP_DESC (a TMA descriptor over OP viewed [rows, D]): no read-back of the output's layout
-    # change from shared memory, one bulk copy instead of 8 vector stores per thread; the last,
-    # partial sub-tile of an item keeps the masked store (its tail rows belong to other items).
-    # QREG: Q reaches the QK^T MMA from registers (wgmma's A operand) instead of a shared-memory
-    # copy: no per-sub-tile generic->async proxy fence (MEMBAR.ALL.CTA, which waits for the
-    # previous sub-tile's partial-output stores to drain).  ABL (GPU ablations for
-    # bench.profile_forward, default 0): 1 = no partial o / lse stores (predicated off at run
-    # time, the math stays), 2 = FIXED_Q (every sub-tile reads the Q rows of the item's first
-    # entry: no gather), 4 = FIXED_STORE (every sub-tile of a program stores to one row of OP
-    # picked by the program: no scattered stores); the results are wrong under any ABL != 0.
     pid = tl.program_id(0)
     count = tl.load(IT_COUNT + pid)
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
@@ -557,58 +376,29 @@ def _sa_fwd_kernel(
     r_q = offs_m // HPG
     head = g * HPG + offs_m % HPG
     m_ok = offs_m < Q_TILE * HPG
-    if (ABL & 2) != 0:
-        n_fix = tl.load(ENT_Q + start + r_q * 0).to(tl.int64)
-    if PREFETCH:
-        # software pipeline by hand: the Q rows of sub-tile i+1 and the entries of sub-tile i+2
-        # are in flight while sub-tile i computes (an indirect load defeats Triton's pipeliner)
-        ok0 = m_ok & (r_q < count)
-        n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
-        n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
-        if (ABL & 2) != 0:
-            q_cur = tl.load(Q + ((n_fix * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
-        else:
-            q_cur = tl.load(Q + ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
+    # software pipeline by hand: the Q rows of sub-tile i+1 and the entries of sub-tile i+2
+    # are in flight while sub-tile i computes (an indirect load defeats Triton's pipeliner)
+    ok0 = m_ok & (r_q < count)
+    n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
+    n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+    q_cur = tl.load(Q + ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
     for sub in range(0, count, Q_TILE):
         qi = sub + r_q
         row_ok = m_ok & (qi < count)
         e = start + qi
-        row_mask = row_ok[:, None] & d_ok[None, :]
-        if SCALAR_DIAG:
-            rel0 = (tl.load(ENT_Q + start + sub).to(tl.int64) - tok0).to(tl.int32)
-            if BS < BLOCK_N:
-                rel0 = tl.minimum(rel0, BS - 1)
-        if PREFETCH:
-            n = n_cur
-            qb = q_cur
-            ok1 = m_ok & (qi + Q_TILE < count)
-            if (ABL & 2) != 0:
-                q_cur = tl.load(Q + ((n_fix * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
-            else:
-                q_cur = tl.load(Q + ((n_nxt * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
-            n_cur = n_nxt
-            n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
-        else:
-            n = tl.load(ENT_Q + e, mask=row_ok, other=0).to(tl.int64)
-            if (ABL & 2) != 0:
-                qb = tl.load(Q + ((n_fix * HQ + head) * D)[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
-            else:
-                qb = tl.load(Q + ((n * HQ + head) * D)[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
-        if QREG:
-            # a no-op select (the load's mask already zeroed these rows) so that the MMA's A
-            # operand is not a load: Triton then feeds wgmma from registers
-            qb = tl.where(row_mask, qb, tl.zeros_like(qb))
+        n = n_cur
+        qb = q_cur
+        ok1 = m_ok & (qi + Q_TILE < count)
+        q_cur = tl.load(Q + ((n_nxt * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
+        n_cur = n_nxt
+        n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
         s = _mm(qb, tl.trans(kb), PREC, UPCAST) * qk_scale
         # key token tok0 + c is visible to row (n, h) iff c <= n - tok0 (causal; also keeps the
         # key inside n's document and below N) and c < BS; invalid rows see nothing (int32 math)
         rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
         if BS < BLOCK_N:
             rel = tl.minimum(rel, BS - 1)
-        if SCALAR_DIAG:
-            need_mask = rel0 < BLOCK_N - 1
-        else:
-            need_mask = _needs_causal_mask(row_ok, rel, BLOCK_N)
-        if need_mask:
+        if _needs_causal_mask(row_ok, rel, BLOCK_N):
             s = tl.where(offs_n[None, :] <= rel[:, None], s, float("-inf"))
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -620,45 +410,21 @@ def _sa_fwd_kernel(
         lse = (m + tl.log2(l_safe)) * 0.6931471805599453
         # partials are entry-major (row e * HPG + head in group): a sub-tile's rows are contiguous
         prow = (start + sub) * HPG + offs_m
-        st_ok = row_ok
-        if (ABL & 1) != 0:
-            st_ok = row_ok & (count < 0)  # never true, unknown to the compiler
-        if (ABL & 4) != 0:
-            prow = (pid % C_ROWS).to(tl.int64) * (KS * HQ) + offs_m
-        if TMA_STORE:
-            if sub + Q_TILE <= count:
-                OP_DESC.store([((start + sub) * HPG).to(tl.int32), 0], ob.to(OP.dtype.element_ty))
-            else:
-                tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :])
-        else:
-            tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :])
-        tl.store(LP + prow, lse, mask=st_ok)
+        tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LP + prow, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_store(OUT, LSE, acc, sw, mx, n, h, ok, offs_d, d_ok, T, HQ: tl.constexpr, D: tl.constexpr,
-                 WEIGHTED: tl.constexpr):
-    """The merge's epilogue: out = acc / sum of weights (weighted merge) and lse = mx + log(sum),
-    for rows (token n, head h); an unweighted reduce (dq) stores the plain sum."""
-    if WEIGHTED:
-        acc = acc * (1.0 / tl.where(sw > 0.0, sw, 1.0))[:, None]
-    tl.store(OUT + ((n * HQ + h) * D)[:, None] + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
-    if WEIGHTED:
-        lse = tl.where(sw > 0.0, mx + tl.log(tl.where(sw > 0.0, sw, 1.0)), float("-inf"))
-        b = n // T
-        tl.store(LSE + (b * HQ + h) * T + (n - b * T), lse, mask=ok)
-
-
-@triton.jit
-def _sa_slot_reduce_kernel(
+def _sa_fwd_merge_kernel(
     P, LP, NV, INV, OUT, LSE,
     n0, C, T,
-    HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr, WEIGHTED: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """OUT[n0 + t, h] = sum over the valid slots s < NV[g, t] of P[e, h % HPG] with e = INV[g, t, s]
-    the entry of (g, t, s) (times exp(LP[e, h % HPG] - lse) and writing lse = logsumexp_s LP into
-    LSE [B, HQ, T] if WEIGHTED)."""
+    """The forward's slot merge: OUT[n0 + t, h] = sum over the valid slots s < NV[g, t] of
+    exp(LP[e, h % HPG] - lse) P[e, h % HPG] with e = INV[g, t, s] the entry of (g, t, s), and
+    lse = logsumexp_s LP[e, h % HPG] into LSE [B, HQ, T].  One program: BLOCK_T rows x BLOCK_H
+    heads; the max pass walks the slots (INV, then LP), the sum takes two slots per step."""
     offs_r = tl.arange(0, BLOCK_T * BLOCK_H)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_H
     h = tl.program_id(1) * BLOCK_H + offs_r % BLOCK_H
@@ -670,15 +436,13 @@ def _sa_slot_reduce_kernel(
     hh = h % HPG
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    mx = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
     sw = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
-    if WEIGHTED:
-        mx = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
-        for s in range(0, KS):
-            e = tl.load(INV + ibase + s, mask=ok & (s < nv), other=0).to(tl.int64)
-            ls = tl.load(LP + e * HPG + hh, mask=ok & (s < nv), other=float("-inf"))
-            mx = tl.maximum(mx, ls)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
+    mx = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
+    for s in range(0, KS):
+        e = tl.load(INV + ibase + s, mask=ok & (s < nv), other=0).to(tl.int64)
+        ls = tl.load(LP + e * HPG + hh, mask=ok & (s < nv), other=float("-inf"))
+        mx = tl.maximum(mx, ls)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
     acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_D], tl.float32)
     for s in range(0, KS, 2):  # two slots per step: both loads in flight together
         ok0 = ok & (s < nv)
@@ -687,58 +451,31 @@ def _sa_slot_reduce_kernel(
         r1 = tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) * HPG + hh
         x0 = tl.load(P + r0[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
         x1 = tl.load(P + r1[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
-        if WEIGHTED:
-            w0 = tl.exp(tl.load(LP + r0, mask=ok0, other=float("-inf")) - mx)
-            w1 = tl.exp(tl.load(LP + r1, mask=ok1, other=float("-inf")) - mx)
-            sw += w0 + w1
-            acc += x0.to(tl.float32) * w0[:, None] + x1.to(tl.float32) * w1[:, None]
-        else:
-            acc += x0.to(tl.float32) + x1.to(tl.float32)
-    _merge_store(OUT, LSE, acc, sw, mx, n0 + t64, h, ok, offs_d, d_ok, T, HQ, D, WEIGHTED)
-
-
-@triton.jit
-def _merge_pair(P, LP, INV, ibase, s, ok, nv, hh, mx, acc, sw, offs_d, d_ok,
-                D: tl.constexpr, HPG: tl.constexpr, WEIGHTED: tl.constexpr, EVICT: tl.constexpr):
-    """Slots s and s + 1 of `_sa_slot_merge_kernel` (the same operations, in the same order, as
-    one step of `_sa_slot_reduce_kernel`: the results are bit-identical)."""
-    ok0 = ok & (s < nv)
-    ok1 = ok & (s + 1 < nv)  # nv <= KS, so an odd KS never reads slot KS
-    r0 = tl.load(INV + ibase + s, mask=ok0, other=0).to(tl.int64) * HPG + hh
-    r1 = tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) * HPG + hh
-    x0 = tl.load(P + r0[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0, eviction_policy=EVICT)
-    x1 = tl.load(P + r1[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0, eviction_policy=EVICT)
-    if WEIGHTED:
         w0 = tl.exp(tl.load(LP + r0, mask=ok0, other=float("-inf")) - mx)
         w1 = tl.exp(tl.load(LP + r1, mask=ok1, other=float("-inf")) - mx)
         sw += w0 + w1
         acc += x0.to(tl.float32) * w0[:, None] + x1.to(tl.float32) * w1[:, None]
-    else:
-        acc += x0.to(tl.float32) + x1.to(tl.float32)
-    return acc, sw
+    n = n0 + t64
+    acc = acc * (1.0 / tl.where(sw > 0.0, sw, 1.0))[:, None]
+    tl.store(OUT + ((n * HQ + h) * D)[:, None] + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    lse = tl.where(sw > 0.0, mx + tl.log(tl.where(sw > 0.0, sw, 1.0)), float("-inf"))
+    b = n // T
+    tl.store(LSE + (b * HQ + h) * T + (n - b * T), lse, mask=ok)
 
 
 @triton.jit
-def _sa_slot_merge_kernel(
-    P, LP, NV, INV, OUT, LSE,
-    n0, C, T,
-    HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr, WEIGHTED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EVICT: tl.constexpr,
+def _sa_dq_reduce_kernel(
+    P, NV, INV, OUT,
+    n0, C,
+    HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HP: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """`_sa_slot_reduce_kernel`'s result (bit for bit), organised for memory-level parallelism.
-
-    One program = BLOCK_T rows of the chunk x the HPG heads of one group (program_id(1)), so
-    each (row, slot)'s partial is one contiguous run of HPG * D elements (4 KB at M3's shape).
-    WEIGHTED: the rows' INV block [rows, KS] (contiguous) and their LP values are loaded as two
-    vectorised 2-D gathers up front to form the max (instead of KS pairs of dependent loads);
-    the slot loop then re-reads INV and LP from L1 (same addresses), and its partial loads depend
-    only on those.  NUM_STAGES > 1: the slot loop is software-pipelined by Triton (tl.range
-    num_stages): the next step's INV rows and partials (cp.async into shared memory) are in
-    flight while a step accumulates, so bytes in flight no longer cost registers (v1 keeps
-    2 slots x 16 KB per program in registers, and its loop waits a DRAM latency per step).
-    (A fully unrolled loop spills: LLVM hoists all 16 slots' loads.)  EVICT: eviction hint of
-    the partial loads (each is read exactly once)."""
+    """The backward's dq reduce: OUT[n0 + t, h] = sum over the valid slots s < NV[g, t] of
+    P[INV[g, t, s], h % HPG].  One program = BLOCK_T rows of the chunk x the HPG heads of one
+    group (program_id(1)), so each (row, slot)'s partial is one contiguous run of HPG * D
+    elements (4 KB at M3's shape).  The slot loop is software-pipelined by Triton over
+    NUM_STAGES (cp.async of the next steps' partials into shared memory: bytes in flight cost
+    no registers); each partial is read exactly once (evict_first)."""
     offs_r = tl.arange(0, BLOCK_T * BLOCK_HP)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_HP
     hh = offs_r % BLOCK_HP
@@ -750,19 +487,17 @@ def _sa_slot_merge_kernel(
     ibase = (g.to(tl.int64) * C + t64) * KS  # (g, t, slot 0) in INV [G, C, KS]
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    mx = tl.zeros([BLOCK_T * BLOCK_HP], tl.float32)
-    if WEIGHTED:
-        offs_k = tl.arange(0, BLOCK_K)
-        kmask = ok[:, None] & (offs_k[None, :] < nv[:, None])
-        e2 = tl.load(INV + ibase[:, None] + offs_k[None, :], mask=kmask, other=0).to(tl.int64)
-        l2 = tl.load(LP + e2 * HPG + hh[:, None], mask=kmask, other=float("-inf"))
-        mx = tl.max(l2, axis=1)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-    sw = tl.zeros([BLOCK_T * BLOCK_HP], tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_HP, BLOCK_D], tl.float32)
     for s in tl.range(0, KS, 2, num_stages=NUM_STAGES):
-        acc, sw = _merge_pair(P, LP, INV, ibase, s, ok, nv, hh, mx, acc, sw, offs_d, d_ok, D, HPG, WEIGHTED, EVICT)
-    _merge_store(OUT, LSE, acc, sw, mx, n0 + t64, h, ok, offs_d, d_ok, T, HQ, D, WEIGHTED)
+        ok0 = ok & (s < nv)
+        ok1 = ok & (s + 1 < nv)  # nv <= KS, so an odd KS never reads slot KS
+        r0 = tl.load(INV + ibase + s, mask=ok0, other=0).to(tl.int64) * HPG + hh
+        r1 = tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) * HPG + hh
+        x0 = tl.load(P + r0[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0, eviction_policy="evict_first")
+        x1 = tl.load(P + r1[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += x0.to(tl.float32) + x1.to(tl.float32)
+    n = n0 + t64
+    tl.store(OUT + ((n * HQ + h) * D)[:, None] + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -801,14 +536,10 @@ def _sa_bwd_kernel(
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    ABL: tl.constexpr = 0,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
-    # ABL (GPU ablations for bench.profile_backward; results are wrong when != 0): 1 = no dQ
-    # partial stores, 2 = FIXED_Q (Q, dO, lse, delta of the item's first entry for every
-    # sub-tile: no gather), 4 = no dK/dV atomics.  (Deferring each dQ store by one sub-tile
-    # does not take it past a proxy fence: this loop has four, one per MMA with an operand
-    # written to shared memory in the loop, so that was dropped.)
+    # (Deferring each dQ store by one sub-tile does not take it past a proxy fence: this loop
+    # has four, one per MMA with an operand written to shared memory in the loop.)
     pid = tl.program_id(0)
     count = tl.load(IT_COUNT + pid)
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
@@ -825,55 +556,32 @@ def _sa_bwd_kernel(
     r_q = offs_m // HPG
     head = g * HPG + offs_m % HPG
     m_ok = offs_m < Q_TILE * HPG
-    if (ABL & 2) != 0:
-        n_fix = tl.load(ENT_Q + start + r_q * 0).to(tl.int64)
-    if PREFETCH:
-        ok0 = m_ok & (r_q < count)
-        n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
-        n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
-        if (ABL & 2) != 0:
-            n_ld = n_fix
-        else:
-            n_ld = n_cur
-        r0 = ((n_ld * HQ + head) * D)[:, None] + offs_d[None, :]
-        q_cur = tl.load(Q + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
-        do_cur = tl.load(DO + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
-        lse2_cur = tl.load(LSE2 + n_ld * HQ + head, mask=ok0, other=0.0)
-        dl_cur = tl.load(DELTA + n_ld * HQ + head, mask=ok0, other=0.0)
+    # the next sub-tile's Q, dO, lse and delta rows are prefetched by hand, as in the forward
+    ok0 = m_ok & (r_q < count)
+    n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
+    n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+    r0 = ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :]
+    q_cur = tl.load(Q + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
+    do_cur = tl.load(DO + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
+    lse2_cur = tl.load(LSE2 + n_cur * HQ + head, mask=ok0, other=0.0)
+    dl_cur = tl.load(DELTA + n_cur * HQ + head, mask=ok0, other=0.0)
     for sub in range(0, count, Q_TILE):
         qi = sub + r_q
         row_ok = m_ok & (qi < count)
         e = start + qi
-        row_mask = row_ok[:, None] & d_ok[None, :]
-        if PREFETCH:
-            n = n_cur
-            qb = q_cur
-            dob = do_cur
-            lse2 = lse2_cur
-            dl = dl_cur
-            ok1 = m_ok & (qi + Q_TILE < count)
-            if (ABL & 2) != 0:
-                n_ld = n_fix
-            else:
-                n_ld = n_nxt
-            r1 = ((n_ld * HQ + head) * D)[:, None] + offs_d[None, :]
-            q_cur = tl.load(Q + r1, mask=ok1[:, None] & d_ok[None, :], other=0.0)
-            do_cur = tl.load(DO + r1, mask=ok1[:, None] & d_ok[None, :], other=0.0)
-            lse2_cur = tl.load(LSE2 + n_ld * HQ + head, mask=ok1, other=0.0)
-            dl_cur = tl.load(DELTA + n_ld * HQ + head, mask=ok1, other=0.0)
-            n_cur = n_nxt
-            n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
-        else:
-            n = tl.load(ENT_Q + e, mask=row_ok, other=0).to(tl.int64)
-            if (ABL & 2) != 0:
-                n_ld = n_fix
-            else:
-                n_ld = n
-            qrow = ((n_ld * HQ + head) * D)[:, None] + offs_d[None, :]
-            qb = tl.load(Q + qrow, mask=row_mask, other=0.0)
-            dob = tl.load(DO + qrow, mask=row_mask, other=0.0)
-            lse2 = tl.load(LSE2 + n_ld * HQ + head, mask=row_ok, other=0.0)
-            dl = tl.load(DELTA + n_ld * HQ + head, mask=row_ok, other=0.0)
+        n = n_cur
+        qb = q_cur
+        dob = do_cur
+        lse2 = lse2_cur
+        dl = dl_cur
+        ok1 = m_ok & (qi + Q_TILE < count)
+        r1 = ((n_nxt * HQ + head) * D)[:, None] + offs_d[None, :]
+        q_cur = tl.load(Q + r1, mask=ok1[:, None] & d_ok[None, :], other=0.0)
+        do_cur = tl.load(DO + r1, mask=ok1[:, None] & d_ok[None, :], other=0.0)
+        lse2_cur = tl.load(LSE2 + n_nxt * HQ + head, mask=ok1, other=0.0)
+        dl_cur = tl.load(DELTA + n_nxt * HQ + head, mask=ok1, other=0.0)
+        n_cur = n_nxt
+        n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
         sT = _mm(kb, tl.trans(qb), PREC, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
         rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
         if BS < BLOCK_N:
@@ -887,16 +595,10 @@ def _sa_bwd_kernel(
         dk += _mm(dsT, qb, PREC, UPCAST)
         dqb = _mm(tl.trans(dsT), kb, PREC, UPCAST) * sm_scale  # [BLOCK_M, BLOCK_D]
         prow = (start + sub) * HPG + offs_m  # entry-major, as in the forward
-        st_ok = row_ok
-        if (ABL & 1) != 0:
-            st_ok = row_ok & (count < 0)  # never true, unknown to the compiler
-        tl.store(DQP + prow[:, None] * D + offs_d[None, :], dqb.to(DQP.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :])
+        tl.store(DQP + prow[:, None] * D + offs_d[None, :], dqb.to(DQP.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     dst = kv_row[:, None] + offs_d[None, :]
-    at_ok = kv_mask
-    if (ABL & 4) != 0:
-        at_ok = kv_mask & (count < 0)
-    tl.atomic_add(DKA + dst, dk * sm_scale, mask=at_ok, sem="relaxed")
-    tl.atomic_add(DVA + dst, dv, mask=at_ok, sem="relaxed")
+    tl.atomic_add(DKA + dst, dk * sm_scale, mask=kv_mask, sem="relaxed")
+    tl.atomic_add(DVA + dst, dv, mask=kv_mask, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -976,70 +678,44 @@ class _DeviceGuard:
             self.ctx.__exit__(*a)
 
 
-def _pick(cfg, table, default, interp_cfg):
-    if isinstance(cfg, KernelConfig):
-        return cfg
+def _pick(cfg: KernelConfig | None, gpu_cfg: KernelConfig, interp_cfg: KernelConfig) -> KernelConfig:
     if cfg is None:
-        return interp_cfg if _interpret() else table[default]
-    return table[cfg]
+        return interp_cfg if _interpret() else gpu_cfg
+    if not isinstance(cfg, KernelConfig):
+        raise ValueError(f"config must be a KernelConfig or None, got {type(cfg).__name__}")
+    return cfg
 
 
-def _pick_merge(cfg, default: str) -> MergeConfig:
-    if isinstance(cfg, MergeConfig):
-        return cfg
-    return MERGE_CONFIGS[cfg if cfg is not None else default]
-
-
-def _items(sel, n0: int, c: int, geo: _Geom, cu_seqlens, block_size: int, item_q: int, dev, worklist: str | None) -> _Items:
-    """The work list of rows n0 .. n0+c-1 (builder: worklist, default WORKLIST)."""
-    how = worklist or WORKLIST
+def _items(sel, n0: int, c: int, geo: _Geom, cu_seqlens, block_size: int, item_q: int, dev) -> _Items:
+    """The work list of rows n0 .. n0+c-1."""
     rows = sel[:, n0 : n0 + c]
-    if how == "triton":
-        if cu_seqlens is None:
-            return _build_items_tl(rows, None, None, n0, geo.N, block_size, item_q, geo.nkeys_bound, geo.T)
-        doc_start, pos = _row_docs(n0, c, geo.T, cu_seqlens, dev)
-        return _build_items_tl(rows, doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
-    if how != "torch":
-        raise ValueError(f"worklist must be 'torch' or 'triton', got {how!r}")
+    if cu_seqlens is None:
+        return _build_items(rows, None, None, n0, geo.N, block_size, item_q, geo.nkeys_bound, geo.T)
     doc_start, pos = _row_docs(n0, c, geo.T, cu_seqlens, dev)
     return _build_items(rows, doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
 
 
-def _merge(mc: MergeConfig, P, LP, it: _Items, OUT, LSE, n0: int, c: int, geo: _Geom, weighted: bool) -> None:
-    """OUT (and LSE if weighted) of rows n0 .. n0+c-1 from the chunk's partials (see the kernels)."""
-    if mc.version == 1:
-        rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
-        _sa_slot_reduce_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
-            P, LP, it.nvalid, it.inv, OUT, LSE,
-            n0, c, geo.T,
-            HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=weighted,
-            BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
-        )
-        return
-    bhp = _next_pow2(geo.hpg)
-    bt = max(1, mc.block_t * 16 // bhp)  # ~block_t x 16 (row, head) pairs
-    _sa_slot_merge_kernel[(triton.cdiv(c, bt), geo.G)](
+def _fwd_merge(P, LP, it: _Items, OUT, LSE, n0: int, c: int, geo: _Geom) -> None:
+    """OUT and LSE of rows n0 .. n0+c-1 from the chunk's partials (`_sa_fwd_merge_kernel`)."""
+    rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
+    _sa_fwd_merge_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
         P, LP, it.nvalid, it.inv, OUT, LSE,
         n0, c, geo.T,
-        HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg, WEIGHTED=weighted,
-        BLOCK_T=bt, BLOCK_HP=bhp, BLOCK_D=max(16, _next_pow2(geo.D)), BLOCK_K=_next_pow2(geo.KS),
-        NUM_STAGES=mc.num_stages, EVICT=mc.evict, num_warps=mc.num_warps, num_stages=mc.num_stages,
+        HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg,
+        BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
     )
 
 
-def _fwd_main(qf, kf, vf, OP, LP, op_desc, it: _Items, geo: _Geom, n0: int, c: int, cfg: KernelConfig,
-              qk_scale: float, tma: bool, ablate: int = 0) -> None:
-    """The forward's main kernel over one chunk's work list: partials into OP / LP."""
-    q_tile, bm, bn, bd, _ = _tile(cfg, geo)
-    prec, upcast = _prec(qf.dtype)
-    _sa_fwd_kernel[(it.max_items,)](
-        qf, kf, vf, OP, LP, op_desc,
-        it.ent_q, it.it_key, it.it_start, it.it_count,
-        geo.N, n0, qk_scale, c,
-        HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=q_tile,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
-        QREG=cfg.qreg, ABL=ablate & 7, TMA_STORE=tma, SCALAR_DIAG=cfg.scalar_diag,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+def _dq_reduce(P, it: _Items, OUT, n0: int, c: int, geo: _Geom) -> None:
+    """dq of rows n0 .. n0+c-1 from the chunk's per-slot partials (`_sa_dq_reduce_kernel`)."""
+    bhp = _next_pow2(geo.hpg)
+    bt = max(1, 16 // bhp)  # ~16 (row, head) pairs per program
+    _sa_dq_reduce_kernel[(triton.cdiv(c, bt), geo.G)](
+        P, it.nvalid, it.inv, OUT,
+        n0, c,
+        HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg,
+        BLOCK_T=bt, BLOCK_HP=bhp, BLOCK_D=max(16, _next_pow2(geo.D)),
+        NUM_STAGES=DQ_REDUCE_STAGES, num_warps=DQ_REDUCE_WARPS, num_stages=DQ_REDUCE_STAGES,
     )
 
 
@@ -1054,84 +730,49 @@ def sparse_attention_fwd_triton(
     *,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
-    config: KernelConfig | str | None = None,
+    config: KernelConfig | None = None,
     chunk_rows: int | None = None,
     poison: bool = False,
-    ablate: int = 0,
-    merge: MergeConfig | str | None = None,
-    worklist: str | None = None,
-    overlap: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o [B, T, Hq, D] (q.dtype), lse [B, Hq, T] fp32.  Inputs are assumed checked by the caller.
 
-    out / lse_out: preallocated outputs (every element is written); config: a KernelConfig or
-    a key of FWD_CONFIGS; chunk_rows: query rows per chunk (default: CHUNK_BYTES of partials);
-    poison: fill the internal partial buffers with NaN (tests that unwritten slots are masked).
-    ablate: GPU profiling only (results are WRONG when != 0): bits 1, 2, 4 = the main kernel's
-    ABL (no partial stores / fixed Q rows / fixed store rows), 8 = NO_MERGE (skip the merge).
-    merge: a MergeConfig or a key of MERGE_CONFIGS (default MERGE_DEFAULT); worklist: "torch"
-    or "triton" (default WORKLIST); overlap (default OVERLAP): two partial buffers of half the
-    budget, each chunk's merge on a side stream (CUDA; on the CPU only the buffers alternate).
-    Every choice gives the same o and lse, bit for bit (overlap: given the same chunk_rows).
+    out / lse_out: preallocated outputs (every element is written); config: a KernelConfig
+    (default FWD_CONFIG, INTERPRET_FWD under the interpreter); chunk_rows: query rows per chunk
+    (default: CHUNK_BYTES of partials); poison: fill the internal partial buffers with NaN
+    (tests that unwritten slots are masked).
     """
     geo = _geom(q, k, block_idx, block_size, cu_seqlens)
-    cfg = _pick(config, FWD_CONFIGS, FWD_DEFAULT, INTERPRET_FWD)
+    cfg = _pick(config, FWD_CONFIG, INTERPRET_FWD)
     q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
     qf, kf, vf = q.contiguous(), k.contiguous(), v.contiguous()
     o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = lse_out if lse_out is not None else torch.empty((geo.B, geo.Hq, geo.T), dtype=torch.float32, device=q.device)
     assert o.is_contiguous() and lse.is_contiguous()
     pdt = q.dtype
-    ovl = OVERLAP if overlap is None else bool(overlap)
-    nbuf = 2 if ovl else 1
-    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, (cfg.chunk_bytes or CHUNK_BYTES) // nbuf)
-    nbuf = min(nbuf, triton.cdiv(geo.N, C))
-    fill = float("nan") if poison else None
+    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, CHUNK_BYTES)
     shape_p = (C, geo.KS, geo.Hq, geo.D)
-    # TMA store of the partial o rows: only where a sub-tile is exactly BLOCK_M x BLOCK_D rows
-    tma = cfg.tma_store and bm == q_tile * geo.hpg and bd == geo.D and (ablate & 7) == 0
-    bufs = []
-    for _ in range(nbuf):
-        OP = torch.full(shape_p, fill, dtype=pdt, device=q.device) if poison else torch.empty(shape_p, dtype=pdt, device=q.device)
-        LP = torch.full(shape_p[:3], fill, dtype=torch.float32, device=q.device) if poison else torch.empty(shape_p[:3], dtype=torch.float32, device=q.device)
-        op_desc = None
-        if tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            op_desc = TensorDescriptor.from_tensor(OP.view(-1, geo.D), [bm, bd])
-        bufs.append((OP, LP, op_desc))
+    if poison:
+        OP = torch.full(shape_p, float("nan"), dtype=pdt, device=q.device)
+        LP = torch.full(shape_p[:3], float("nan"), dtype=torch.float32, device=q.device)
+    else:
+        OP = torch.empty(shape_p, dtype=pdt, device=q.device)
+        LP = torch.empty(shape_p[:3], dtype=torch.float32, device=q.device)
     sel = _selection_rows(block_idx, geo)
-    mc = _pick_merge(merge, MERGE_DEFAULT)
     qk_scale = float(scale) * 1.4426950408889634
-    side = _side_stream(q.device) if (nbuf > 1 and q.is_cuda) else None
-    main = torch.cuda.current_stream(q.device) if side is not None else None
-    done = [None] * nbuf  # side-stream event: buffer b's last merge has finished
-    keep = [None] * nbuf  # work list read by buffer b's merge in flight (allocated on main)
+    prec, upcast = _prec(qf.dtype)
     with _DeviceGuard(q):
-        for ci, n0 in enumerate(range(0, geo.N, C)):
+        for n0 in range(0, geo.N, C):
             c = min(C, geo.N - n0)
-            b = ci % nbuf
-            OP, LP, op_desc = bufs[b]
-            if done[b] is not None:
-                main.wait_event(done[b])  # the merge that read buffer b (chunk ci - 2) is over
-            keep[b] = None
-            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, q.device, worklist)
-            _fwd_main(qf, kf, vf, OP, LP, op_desc, it, geo, n0, c, cfg, qk_scale, tma, ablate)
-            if ablate & 8:
-                continue
-            if side is None:
-                _merge(mc, OP, LP, it, o, lse, n0, c, geo, True)
-                continue
-            ev = torch.cuda.Event()
-            ev.record(main)
-            side.wait_event(ev)
-            with torch.cuda.stream(side):
-                _merge(mc, OP, LP, it, o, lse, n0, c, geo, True)
-            done[b] = torch.cuda.Event()
-            done[b].record(side)
-            keep[b] = it
-        if side is not None:
-            main.wait_stream(side)
+            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, q.device)
+            _sa_fwd_kernel[(it.max_items,)](
+                qf, kf, vf, OP, LP,
+                it.ent_q, it.it_key, it.it_start, it.it_count,
+                geo.N, n0, qk_scale,
+                HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=q_tile,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            _fwd_merge(OP, LP, it, o, lse, n0, c, geo)
     return o, lse
 
 
@@ -1151,22 +792,17 @@ def sparse_attention_bwd_triton(
     dq_out: torch.Tensor | None = None,
     dk_out: torch.Tensor | None = None,
     dv_out: torch.Tensor | None = None,
-    config: KernelConfig | str | None = None,
+    config: KernelConfig | None = None,
     chunk_rows: int | None = None,
     poison: bool = False,
-    ablate: int = 0,
-    reduce: MergeConfig | str | None = None,
-    worklist: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `sparse_attention_fwd_triton`'s outputs given do (and dlse, or None).
 
-    ablate: GPU profiling only (results are WRONG when != 0): bits 1, 2, 4 = the main kernel's
-    ABL (no dQ partial stores / fixed Q rows / no dK, dV atomics), 8 = skip the dQ reduce.
-    reduce: the dq reduce's MergeConfig or MERGE_CONFIGS key (default REDUCE_DEFAULT);
-    worklist: as in the forward.
+    config: a KernelConfig (default BWD_CONFIG, INTERPRET_BWD under the interpreter);
+    chunk_rows / poison: as in the forward (default chunk: BWD_CHUNK_BYTES of dq partials).
     """
     geo = _geom(q, k, block_idx, block_size, cu_seqlens)
-    cfg = _pick(config, BWD_CONFIGS, BWD_DEFAULT, INTERPRET_BWD)
+    cfg = _pick(config, BWD_CONFIG, INTERPRET_BWD)
     q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
     dev = q.device
     qf, kf, vf = q.contiguous(), k.contiguous(), v.contiguous()
@@ -1179,14 +815,13 @@ def sparse_attention_bwd_triton(
     dka = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
     dva = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
     pdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    C = _chunk_rows(geo, pdt.itemsize, 0, chunk_rows, cfg.chunk_bytes or BWD_CHUNK_BYTES)
+    C = _chunk_rows(geo, pdt.itemsize, 0, chunk_rows, BWD_CHUNK_BYTES)
     shape_p = (C, geo.KS, geo.Hq, geo.D)
     DQP = torch.full(shape_p, float("nan"), dtype=pdt, device=dev) if poison else torch.empty(shape_p, dtype=pdt, device=dev)
     sel = _selection_rows(block_idx, geo)
     prec, upcast = _prec(q.dtype)
     rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
     dlse_f = dlse.contiguous().float() if dlse is not None else lse2  # dummy pointer when absent
-    rmc = _pick_merge(reduce, REDUCE_DEFAULT)
     with _DeviceGuard(q):
         _sa_bwd_pre_kernel[(triton.cdiv(geo.N, rbt), triton.cdiv(geo.Hq, rbh))](
             of, dof, lsef, dlse_f, lse2, delta,
@@ -1196,19 +831,16 @@ def sparse_attention_bwd_triton(
         )
         for n0 in range(0, geo.N, C):
             c = min(C, geo.N - n0)
-            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, dev, worklist)
+            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, dev)
             _sa_bwd_kernel[(it.max_items,)](
                 qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
                 it.ent_q, it.it_key, it.it_start, it.it_count,
                 geo.N, n0, float(scale) * 1.4426950408889634, float(scale),
                 HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, PREFETCH=cfg.prefetch, SKIP_EMPTY=_interpret(),
-                ABL=ablate & 7,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
-            if ablate & 8:
-                continue
-            _merge(rmc, DQP, DQP, it, dq, dq, n0, c, geo, False)
+            _dq_reduce(DQP, it, dq, n0, c, geo)
     dk = dka.view(k.shape).to(k.dtype)
     dv = dva.view(v.shape).to(v.dtype)
     if dk_out is not None:

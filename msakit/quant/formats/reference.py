@@ -41,6 +41,7 @@ __all__ = [
     "NVFP4_BLOCK",
     "NVFP4_GLOBAL_DIVISOR",
     "SCALE_RULES",
+    "pow2",
     "e4m3_round",
     "e2m1_round",
     "e2m1_codes",
@@ -72,7 +73,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # ----------------------------------------------------------------------------------------------
 
 
-def _pow2(e: torch.Tensor) -> torch.Tensor:
+def pow2(e: torch.Tensor) -> torch.Tensor:
     """2^e as float32 for integer e in [-126, 127], built from the exponent bits (exact)."""
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
@@ -84,7 +85,7 @@ def _round_to_grid(v: torch.Tensor, mbits: int, emin: int, vmax: float) -> torch
     a = v.abs()
     _, fexp = torch.frexp(a)  # a = m * 2^fexp, m in [0.5, 1): floor(log2 a) = fexp - 1
     e = torch.clamp(fexp - 1, min=emin, max=127)  # frexp(0) and frexp(inf) give exponent 0
-    quantum = _pow2(e - mbits)  # spacing of the grid around a (>= 2^(emin - mbits))
+    quantum = pow2(e - mbits)  # spacing of the grid around a (>= 2^(emin - mbits))
     q = torch.round(a / quantum) * quantum  # exact scaling; torch.round is half-to-even
     return torch.clamp(q, max=vmax)
 
@@ -163,7 +164,7 @@ def mxfp8_quantize_ref(
     xb = x.float().reshape(*x.shape[:-1], K // block_size, block_size)
     amax = xb.abs().amax(dim=-1)
     e = mxfp8_scale_exponent(amax, scale_rule)
-    q = xb * _pow2(-e).unsqueeze(-1)  # exact: 2^-e is a normal float32 for e in [-127, 120]
+    q = xb * pow2(-e).unsqueeze(-1)  # exact: 2^-e is a normal float32 for e in [-127, 120]
     mag = e4m3_round(q)
     signed = torch.where(torch.signbit(xb), -mag, mag)  # keeps -0.0
     codes = signed.to(torch.float8_e4m3fn).reshape(x.shape)  # exact: values are on the grid

@@ -401,12 +401,8 @@ def _mxfp8_quant_kernel(
     I64: tl.constexpr = True,
 ):
     blk = _rows(BR, I64)
-    if EVEN:
-        bmask = None
-        mask = None
-    else:
-        bmask = blk < n_blocks
-        mask = bmask[:, None]
+    bmask = None if EVEN else blk < n_blocks  # which blocks exist (EVEN: all, no mask)
+    mask = None if EVEN else bmask[:, None]
     offs = blk[:, None] * BS + tl.arange(0, BS)[None, :]
     x = _load_f32(x_ptr, offs, mask, IN_KIND)
     amax = tl.max(tl.abs(x), axis=1)  # exact; as bits it is the max of the magnitude bits
@@ -442,12 +438,8 @@ def _mxfp8_dequant_kernel(
     I64: tl.constexpr = True,
 ):
     blk = _rows(BR, I64)
-    if EVEN:
-        bmask = None
-        mask = None
-    else:
-        bmask = blk < n_blocks
-        mask = bmask[:, None]
+    bmask = None if EVEN else blk < n_blocks  # which blocks exist (EVEN: all, no mask)
+    mask = None if EVEN else bmask[:, None]
     offs = blk[:, None] * BS + tl.arange(0, BS)[None, :]
     if OUT_KIND != 0:  # codes per access = the elements of a 16-byte store: one layout, no shuffle
         c = _ld(codes_ptr + tl.max_contiguous(offs, [1, 8]), mask, 0)
@@ -699,12 +691,8 @@ def _nvfp4_quant16(
     EVEN: tl.constexpr, I64: tl.constexpr, CMP: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
     blk = _rows(BR, I64)
-    if EVEN:
-        bmask = None
-        mask = None
-    else:
-        bmask = blk < n_blocks
-        mask = bmask[:, None]
+    bmask = None if EVEN else blk < n_blocks  # which blocks exist (EVEN: all, no mask)
+    mask = None if EVEN else bmask[:, None]
     offs = blk[:, None] * 8 + tl.arange(0, 4)[None, :]
     w0 = _ld(x_ptr + offs, mask, 0)
     w1 = _ld(x_ptr + offs + 4, mask, 0)
@@ -792,12 +780,8 @@ def _nvfp4_quant32(
     GROUPED: tl.constexpr, OUT_KIND: tl.constexpr,
 ):  # fmt: skip
     blk = _rows(BR, I64)
-    if EVEN:
-        bmask = None
-        mask = None
-    else:
-        bmask = blk < n_blocks
-        mask = bmask[:, None]
+    bmask = None if EVEN else blk < n_blocks  # which blocks exist (EVEN: all, no mask)
+    mask = None if EVEN else bmask[:, None]
     offs = blk[:, None] * 16 + tl.arange(0, 4)[None, :]
     x0 = _ld(x_ptr + offs, mask, 0.0)
     x1 = _ld(x_ptr + offs + 4, mask, 0.0)
@@ -866,6 +850,14 @@ def _nvfp4_deq_words(p, l0, l1, h0, h1):
 
 
 @triton.jit
+def _nvfp4_block_loads(packed_ptr, scales_ptr, blk, bmask):
+    """Per block: the packed word (int64, 16 codes) and the decoded E4M3 block scale (float32)."""
+    bb = _scalar_offs(blk)
+    pw = _ld(packed_ptr + bb, bmask, 0)
+    return pw, _e4m3_dec1(_ld(scales_ptr + bb, bmask, 0).to(tl.int32))
+
+
+@triton.jit
 def _nvfp4_dequant16_kernel(
     packed_ptr,  # int64 view: one word (16 codes) per block
     scales_ptr,
@@ -878,15 +870,9 @@ def _nvfp4_dequant16_kernel(
     I64: tl.constexpr = True,
 ):
     blk = _rows(BR, I64)
-    if EVEN:
-        bmask = None
-        mask = None
-    else:
-        bmask = blk < n_blocks
-        mask = bmask[:, None]
-    bb = _scalar_offs(blk)
-    pw = _ld(packed_ptr + bb, bmask, 0)
-    bs = _e4m3_dec1(_ld(scales_ptr + bb, bmask, 0).to(tl.int32))
+    bmask = None if EVEN else blk < n_blocks  # which blocks exist (EVEN: all, no mask)
+    mask = None if EVEN else bmask[:, None]
+    pw, bs = _nvfp4_block_loads(packed_ptr, scales_ptr, blk, bmask)
     gs = tl.load(gs_ptr)
     # table v_i = RN_out((e2m1_i * bs) * gs) (v_0 = +-0, or NaN for a NaN scale), as words
     # of pairs, then split into low bytes (l0: v_0..v_3, l1: v_4..v_7) and high bytes
@@ -915,15 +901,10 @@ def _nvfp4_dequant32_kernel(
     I64: tl.constexpr = True,
 ):
     blk = _rows(BR, I64)
-    if EVEN:
-        bmask = None
-        mask = None
-    else:
-        bmask = blk < n_blocks
-        mask = bmask[:, None]
-    bb = _scalar_offs(blk)
-    pw = _ld(packed_ptr + bb, bmask, 0)
-    bs = _e4m3_dec1(_ld(scales_ptr + bb, bmask, 0).to(tl.int32))[:, None]
+    bmask = None if EVEN else blk < n_blocks  # which blocks exist (EVEN: all, no mask)
+    mask = None if EVEN else bmask[:, None]
+    pw, bs = _nvfp4_block_loads(packed_ptr, scales_ptr, blk, bmask)
+    bs = bs[:, None]
     gs = tl.load(gs_ptr)
     offs = blk[:, None] * 16 + tl.arange(0, 4)[None, :]
     for qi in tl.static_range(4):
@@ -1002,9 +983,9 @@ def _interpreting() -> bool:
 
 # Default elements per program on GPU, per kernel family (the interpreter uses 16K everywhere);
 # None: 4K, for kernels built on these helpers elsewhere.
-# H200 run 3 sweep at 8192 x 8192 (benchmarks/results/quant_bench_NVIDIA_H200_run3.json): 2048
-# elements per program lift nvfp4_dequantize from 54% to 82% of the copy ceiling and the fake
-# quantize from 79% to 98%; quantize stays at 84-87%.
+# NVFP4's 2048 comes from a tile sweep on an H200 at 8192 x 8192 (benchmarks/NOTES.md, "Format
+# kernels: tile size"): it lifts dequantize from 54% to 82% of the copy ceiling and fake-quantize
+# from 79% to 98%; quantize stays at 84-87%.
 _DEFAULT_TILE = {"mxfp8": 8192, "nvfp4": 2048, None: 4096}
 
 

@@ -1,0 +1,222 @@
+"""Tokens/s of `model.generate` on the "small" M3 preset (59M parameters, hidden 512, 8 layers,
+MoE, sparse MSA; random weights, bf16, greedy) after prompts of several lengths, on one GPU.
+
+For each context, `model.generate` (its default cache on CUDA: paged, `msa_decode`, CUDA-graphed
+step) runs m = 1, n and 2n new tokens after a warm-up at those lengths (first-call costs per
+shape stay out), median of --reps calls each:
+
+  tok_s           B n / (t(2n) - t(n)): the steady decode rate (prefill and per-call one-time
+                  costs such as graph capture cancel)
+  tok_s_per_call  B (n - 1) / (t(n) - t(1)): a call's decode rate with its one-time costs
+  tok_s_e2e       B n / t(n): end to end, prefill included
+  prefill_ms      t(1)
+
+--profile: kernels of one decode step, by kind (msa_decode, MoE routing, grouped GEMMs, GEMMs,
+norms, RoPE, sampling, elementwise, copies), from torch.profiler over calls of 8 and 40 new
+tokens (the difference over 32 steps: prefill cancels), with the CUDA-graph step and eagerly.
+
+    python benchmarks/generate.py [--contexts 1024 32768 131072] [--new 64] [--batch 1] [--quick]
+    python benchmarks/generate.py --profile [--contexts 4096 32768 131072]
+
+Writes benchmarks/results/generate_<gpu><tag>.json (and --out / $OUT) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import env_info, gpu_tag, print_rows, save_json, wall_s  # noqa: E402
+
+# (kind, regex on the kernel name), first match wins
+KERNEL_KINDS: tuple[tuple[str, str], ...] = (
+    ("msa_decode", r"_score2?_kernel|_merge[12]_kernel|_attn_kernel|_combine_kernel|msa_decode|decode"),
+    ("sampling", r"argmax|multinomial|exponential|distribution|philox|sampl|cumsum.*prob|gumbel"),
+    ("moe_routing", r"sort|radix|topk|top_k|scatter|gather|index|cumsum|scan|histc|bincount|route"),
+    ("grouped_gemm", r"grouped|group_gemm|_grouped_mm"),
+    ("gemm", r"gemm|nvjet|cublas|xmma|cutlass|matmul|wgmma|splitk"),
+    ("norm", r"norm|rms"),
+    ("rope", r"rope|rotary"),
+    ("softmax", r"softmax"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise|triton_poi|silu|swiglu|mul_|add_"),
+    ("reduce", r"reduce|triton_red|sum|amax|max"),
+    ("copy", r"copy|memcpy|memset|cat|fill|Memcpy|Memset"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel (KERNEL_KINDS), "other" when none matches."""
+    for kind, pat in KERNEL_KINDS:
+        if re.search(pat, name, flags=re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def kernel_table(events: list[tuple[str, float]]) -> dict[str, dict]:
+    """{kind: {"count", "us"}} over (kernel name, device microseconds) pairs."""
+    out: dict[str, dict] = {}
+    for name, us in events:
+        d = out.setdefault(kernel_kind(name), {"count": 0, "us": 0.0})
+        d["count"] += 1
+        d["us"] += us
+    return out
+
+
+def per_step(a: dict[str, dict], b: dict[str, dict], steps: int) -> dict[str, dict]:
+    """(b - a) / steps per kind: the kernels of one step from two calls `steps` tokens apart."""
+    out = {}
+    for kind in sorted(set(a) | set(b)):
+        c = (b.get(kind, {}).get("count", 0) - a.get(kind, {}).get("count", 0)) / steps
+        us = (b.get(kind, {}).get("us", 0.0) - a.get(kind, {}).get("us", 0.0)) / steps
+        out[kind] = {"count": round(c, 3), "us": round(us, 3)}
+    return out
+
+
+def profiled_kernels(fn) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """(kernel name, device us) of every kernel / memcpy / memset that fn() ran, and the top
+    kernel names by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = []
+    for e in prof.events():
+        if "CUDA" in str(getattr(e, "device_type", "")):
+            ev.append((e.name, float(e.time_range.elapsed_us())))
+    tot: dict[str, float] = {}
+    for n, us in ev:
+        tot[n] = tot.get(n, 0.0) + us
+    top = sorted(tot.items(), key=lambda x: -x[1])[:25]
+    return ev, top
+
+
+def build(context: int, new: int, batch: int, seed: int = 0):
+    from msakit.models import M3Config, M3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = M3Config.preset("small", vocab_size=4096, max_position_embeddings=context + 4 * new + 64)
+    model = M3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    model.set_attention_mode("sparse")
+    ids = torch.randint(0, cfg.vocab_size, (batch, context), device="cuda")
+    return model, ids
+
+
+def gen_fn(model, ids, *, cuda_graph: bool | None = None, cache: str | None = None):
+    """n -> model.generate(ids, n, greedy) with the given options where generate takes them."""
+    params = inspect.signature(model.generate).parameters
+    kw = {}
+    if cuda_graph is not None and "cuda_graph" in params:
+        kw["cuda_graph"] = cuda_graph
+    if cache is not None and "cache" in params:
+        kw["cache"] = cache
+
+    def gen(n: int):
+        with torch.no_grad():
+            return model.generate(ids, n, temperature=0.0, **kw)
+
+    return gen
+
+
+def speed_row(gen, context: int, new: int, batch: int, reps: int) -> dict:
+    for n in (1, new, 2 * new):  # warm-up at every timed length
+        gen(n)
+    t1 = wall_s(lambda: gen(1), reps)
+    tn = wall_s(lambda: gen(new), reps)
+    t2n = wall_s(lambda: gen(2 * new), reps)
+    nan = float("nan")
+    row = {"context": context, "batch": batch, "new_tokens": new, "prefill_ms": t1 * 1e3,
+           "tok_s": batch * new / (t2n - tn) if t2n > tn else nan,
+           "tok_s_per_call": batch * (new - 1) / (tn - t1) if tn > t1 else nan,
+           "tok_s_e2e": batch * new / tn}
+    row["ms_per_token"] = 1e3 * batch / row["tok_s"]
+    return row
+
+
+def profile_row(gen, steps: tuple[int, int] = (8, 40)) -> dict:
+    """Kernels per decode step from profiles of generations `steps` tokens long; the warnings
+    raised meanwhile (a CUDA-graph fallback shows there) are kept."""
+    a, b = steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen(a), gen(b)
+        ev_a, _ = profiled_kernels(lambda: gen(a))
+        ev_b, top = profiled_kernels(lambda: gen(b))
+    kinds = per_step(kernel_table(ev_a), kernel_table(ev_b), b - a)
+    return {"kernels_per_step": round((len(ev_b) - len(ev_a)) / (b - a), 2),
+            "device_us_per_step": round((sum(u for _, u in ev_b) - sum(u for _, u in ev_a)) / (b - a), 2),
+            "by_kind": kinds, "top_kernels_us": [(n[:120], round(u, 1)) for n, u in top],
+            "warnings": sorted({str(w.message)[:200] for w in caught})}
+
+
+def print_profile(ctx: int, name: str, p: dict) -> None:
+    print(f"  profile ctx {ctx} {name}: {p['kernels_per_step']} kernels, {p['device_us_per_step'] / 1e3:.3f} ms of "
+          f"device time per step", flush=True)
+    for kind, d in sorted(p["by_kind"].items(), key=lambda x: -x[1]["us"]):
+        print(f"    {kind:13s} {d['count']:8.1f} kernels {d['us']:9.1f} us", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="*", default=None,
+                    help="prompt lengths (default 1024 32768 131072; with --profile 4096 32768 131072)")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--eager", action="store_true", help="also time the eager step (cuda_graph=False)")
+    ap.add_argument("--profile", action="store_true", help="kernel count and time by kind of one decode step")
+    ap.add_argument("--quick", action="store_true", help="smoke run: contexts 1024 and 32768, 32 new tokens")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default=None, help="also copy the JSON here (default $OUT)")
+    args = ap.parse_args(argv)
+    if args.contexts is None:
+        args.contexts = [4096, 32768, 131072] if args.profile else [1024, 32768, 131072]
+    if args.quick:
+        args.contexts, args.new = [1024, 32768], 32
+    info = env_info()
+    rows = []
+    for ctx in args.contexts:
+        model, ids = build(ctx, args.new, args.batch)
+        try:
+            row = speed_row(gen_fn(model, ids), ctx, args.new, args.batch, args.reps)
+        except Exception as e:  # report the context and go on
+            print(f"ctx {ctx}: {e!r}", flush=True)
+            rows.append({"context": ctx, "batch": args.batch, "error": repr(e)[:500]})
+            del model, ids
+            torch.cuda.empty_cache()
+            continue
+        row["params"] = sum(p.numel() for p in model.parameters())
+        if args.eager:
+            e = speed_row(gen_fn(model, ids, cuda_graph=False), ctx, args.new, args.batch, args.reps)
+            row["eager"] = {k: e[k] for k in ("tok_s", "tok_s_per_call", "ms_per_token")}
+        print(f"ctx {ctx:7d} B={args.batch}: {row['tok_s']:7.1f} tok/s steady ({row['ms_per_token']:.3f} ms/token), "
+              f"{row['tok_s_per_call']:7.1f} per call, {row['tok_s_e2e']:7.1f} end to end, prefill "
+              f"{row['prefill_ms']:.1f} ms", flush=True)
+        if args.profile:
+            row["profile"] = {}
+            for name, kw in (("graph", {}), ("eager", {"cuda_graph": False})):
+                try:
+                    row["profile"][name] = profile_row(gen_fn(model, ids, **kw))
+                    print_profile(ctx, name, row["profile"][name])
+                except Exception as e:  # the profiler and graph capture may not mix: report, go on
+                    row["profile"][name] = {"error": repr(e)[:300]}
+                    print(f"  profile ctx {ctx} {name} failed: {e!r}", flush=True)
+        rows.append(row)
+        del model, ids
+        torch.cuda.empty_cache()
+    payload = {"env": info, "preset": "small", "mode": "sparse", "dtype": "bf16", "rows": rows}
+    save_json(f"generate_{gpu_tag(info)}{args.tag}.json", payload, args.out)
+    print_rows(rows, [("context", "context", "d"), ("B", "batch", "d"), ("tok/s", "tok_s", ".1f"),
+                      ("ms/token", "ms_per_token", ".3f"), ("per call", "tok_s_per_call", ".1f"), ("e2e", "tok_s_e2e", ".1f"),
+                      ("prefill ms", "prefill_ms", ".1f")], lead=("context", "batch"))
+
+if __name__ == "__main__":
+    main()

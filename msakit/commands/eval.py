@@ -1,0 +1,161 @@
+"""`msakit eval`: long-context evaluation (loss by position, passkey, needles, variable tracking)
+of a model under selection policies (msakit.eval)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval", help="long-context evaluation: loss by position and retrieval under selection policies",
+        description="Evaluate a model folder (msakit checkpoint, converted MSA model, or HF Llama/Qwen2 folder) on "
+                    "loss by position over long documents and on generated retrieval tasks (passkey, multi-key "
+                    "needle, variable tracking), exact match by teacher forcing, under selection policies: dense, "
+                    "last<N> (dense on the last N tokens), window, window0 (window plus block 0), oracle, msa.  "
+                    "On an HF folder, window / oracle policies run on its own attention; with msa it gets an "
+                    "untrained index branch at the budget's block size.  Writes results.jsonl (resumable), summary.json, table.md and plot.png.")
+    p.add_argument("--model", required=True, metavar="DIR", help="model folder")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: the model folder's)")
+    p.add_argument("--tasks", default="loss,passkey,niah,vt", metavar="LIST", help="comma list of loss, passkey, niah, vt")
+    p.add_argument("--lengths", default="4096", metavar="LIST", help="comma list of context lengths in tokens (e.g. 4096,8192)")
+    p.add_argument("--depths", default="0.1,0.5,0.9", metavar="LIST", help="comma list of needle depths in [0, 1]")
+    p.add_argument("--policies", default="dense", metavar="LIST", help="comma list of dense, last<N>, window, window0, oracle, msa")
+    p.add_argument("--budget", default="block64-top8", metavar="blockB-topK", help="selection budget: blocks of B tokens, K per query")
+    p.add_argument("--samples", default="4", metavar="N", help="samples per (task, length, depth); documents per length for loss")
+    p.add_argument("--seed", default="0", metavar="S", help="seed of the generated samples and of a fresh index branch")
+    p.add_argument("--batch-size", default="1", metavar="N", help="samples per forward")
+    p.add_argument("--docs", nargs="+", default=None, metavar="PATH",
+                   help="files or folders of long documents for the loss (default: the standard library's sources)")
+    p.add_argument("--init-blocks", default="0", metavar="N",
+                   help="forced leading blocks of an HF folder's selection (its fresh index branch and the oracle); "
+                        "default 0")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must be new or empty unless --resume)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished samples")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="float32", metavar="DTYPE", help=f"model dtype: {', '.join(DTYPES)}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _int(name: str, text: str, lo: int = 1) -> int:
+    try:
+        v = int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"--{name} must be an integer, got {text!r}") from None
+    if v < lo:
+        raise ValueError(f"--{name} must be >= {lo}, got {v}")
+    return v
+
+
+def _list(name: str, text: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--{name} must name at least one value, got {text!r}")
+    return items
+
+
+def _floats(name: str, text: str) -> list[float]:
+    out = []
+    for t in _list(name, text):
+        try:
+            out.append(float(t))
+        except ValueError:
+            raise ValueError(f"--{name} must be numbers, got {t!r}") from None
+    return out
+
+
+def parse_config(args: argparse.Namespace):
+    """The EvalConfig of the command's arguments (ValueError naming the option on bad input)."""
+    from msakit.eval import Budget, EvalConfig, parse_policy
+
+    lengths = [_int("lengths", t, 64) for t in _list("lengths", args.lengths)]
+    policies = _list("policies", args.policies)
+    for pol in policies:
+        try:
+            parse_policy(pol)
+        except ValueError as e:
+            raise ValueError(f"--policies: {e}") from None
+    try:
+        budget = Budget.parse(args.budget)
+    except ValueError as e:
+        raise ValueError(f"--budget: {e}") from None
+    try:
+        return EvalConfig(tasks=_list("tasks", args.tasks), lengths=lengths, depths=_floats("depths", args.depths),
+                          policies=policies, budget=budget, samples=_int("samples", args.samples),
+                          seed=_int("seed", args.seed, 0), batch_size=_int("batch-size", args.batch_size),
+                          documents=[str(Path(d).expanduser().resolve()) for d in args.docs] if args.docs else None)
+    except ValueError as e:
+        raise ValueError(f"invalid settings: {e}") from None
+
+
+def _load_tokenizer(model_dir: Path, path: str | None):
+    from tokenizers import Tokenizer
+
+    tok = Path(path).expanduser() if path else model_dir / "tokenizer.json"
+    if not tok.is_file():
+        raise FileNotFoundError(f"no tokenizer at {tok}: give --tokenizer PATH/tokenizer.json")
+    return Tokenizer.from_file(str(tok))
+
+
+def load_eval_model(model_dir: Path, cfg: Any, *, device: Any, dtype: Any, init_blocks: int = 0,
+                    log=print) -> Any:
+    """Load the model folder.  A plain HF model runs window / oracle policies through
+    `HFPolicyModel`; with the msa policy it gets an untrained index branch at the budget
+    (seeded by cfg.seed) instead."""
+    from msakit.eval import HFPolicyModel, parse_policy
+    from msakit.models.convert import MSAWrappedModel, convert_dense_to_msa, load_for_conversion
+
+    model = load_for_conversion(model_dir, device=device, dtype=dtype)
+    kinds = {parse_policy(p)[0] for p in cfg.policies}
+    sparse = bool(kinds - {"dense", "last"})
+    if sparse and not hasattr(model, "set_attention_mode") and "msa" not in kinds:
+        log(f"running the policies on the HF model's attention ({cfg.budget}; no index branch)")
+        model = HFPolicyModel(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk, init_blocks=init_blocks)
+    elif sparse and not hasattr(model, "set_attention_mode"):
+        log(f"adding an untrained index branch ({cfg.budget}, init_blocks {init_blocks}, seed {cfg.seed})")
+        model = convert_dense_to_msa(model, block_size=cfg.budget.block_size, topk_blocks=cfg.budget.topk,
+                                     init_blocks=init_blocks, seed=cfg.seed, device=device, dtype=dtype)
+    elif isinstance(model, MSAWrappedModel) and sparse and model.sel.block_size != cfg.budget.block_size:
+        raise ValueError(f"{model_dir} selects blocks of {model.sel.block_size} tokens; the budget {cfg.budget} "
+                         f"needs blocks of {cfg.budget.block_size}")
+    model.to(device=device, dtype=dtype)
+    model.eval()
+    return model
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from msakit.eval import run_eval
+    from msakit.train.trainer import resolve_device
+
+    cfg = parse_config(args)
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    init_blocks = _int("init-blocks", args.init_blocks, 0)
+    model_dir = Path(args.model).expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"--model {model_dir}: no config.json (expected a model folder)")
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.resume:
+        raise ValueError(f"--out {out} exists and is not empty: pass --resume to continue it, or another --out")
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    tokenizer = _load_tokenizer(model_dir, args.tokenizer)
+    log = lambda s: print(f"msakit eval: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    log(f"loading {model_dir} ({args.dtype}, {device})")
+    model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log)
+    with torch.inference_mode():
+        run_eval(model, tokenizer, cfg, out, progress=not args.no_progress, log=log, model_name=str(model_dir))
+    log(f"wrote {out / 'table.md'}, {out / 'summary.json'}, {out / 'plot.png'}")
+    print((out / "table.md").read_text(), end="")
+    return 0

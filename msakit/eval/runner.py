@@ -1,0 +1,322 @@
+"""The evaluation loop: policies x tasks x lengths x depths x samples, resumable.
+
+The model is used only through ``forward(input_ids) -> .logits`` (one forward per sample or
+batch of samples; no cache).  Selection policies reach it through two optional methods:
+
+- ``model.set_attention_mode("dense" | "sparse")``;
+- ``model.set_selection_policy(fn | None)`` with ``fn(layer_idx, q, k, q_idx, k_idx, sel) ->
+  block_idx`` (`msakit.eval.policies`).
+
+Policy names: ``dense`` (full context), ``last<N>`` (dense on the last N tokens only, e.g.
+``last1024``), and the sparse policies ``msa``, ``window``, ``window0``, ``oracle`` at the run's
+budget.  A model without ``set_selection_policy`` runs ``msa`` with its own selection settings
+(recorded as ``"selection": "model"`` in the results).
+
+Each finished batch appends one JSON line per sample to ``results.jsonl`` (flushed and synced);
+a rerun into the same folder skips the samples already there.  ``settings.json`` keeps what
+decides the samples (seed, budget, task options, documents): a rerun with other values is
+refused.  `write_report` turns the records into ``summary.json``, ``table.md`` and ``plot.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from msakit.eval.documents import long_documents
+from msakit.eval.policies import POLICY_NAMES, Budget, make_policy
+from msakit.eval.scoring import answer_scores, bucket_edges, bucket_sums, model_logits, token_nll
+from msakit.eval.tasks import RETRIEVAL_TASKS, TokenPieces, encoder, make_sample
+
+__all__ = ["EvalConfig", "TASKS", "check_model", "configure_model", "parse_policy", "read_records", "run_eval"]
+
+TASKS = ("loss",) + RETRIEVAL_TASKS
+RESULTS = "results.jsonl"
+SETTINGS = "settings.json"
+_LAST_RE = re.compile(r"^last(\d+)([kK]?)$")
+
+
+def parse_policy(name: str) -> tuple[str, int | None]:
+    """'dense' -> ('dense', None); 'last1024' / 'last1K' -> ('last', 1024); 'msa' -> ('msa', None)."""
+    if name == "dense" or name in POLICY_NAMES:
+        return name, None
+    m = _LAST_RE.match(name)
+    if m:
+        n = int(m.group(1)) * (1024 if m.group(2) else 1)
+        if n < 2:
+            raise ValueError(f"policy {name!r}: the kept context must be >= 2 tokens")
+        return "last", n
+    raise ValueError(f"policy must be dense, last<N> (e.g. last1024) or one of {', '.join(POLICY_NAMES)}; got {name!r}")
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate.  `samples` per (task, length, depth); loss uses `samples` documents per length."""
+
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    lengths: list[int] = field(default_factory=lambda: [4096])
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    policies: list[str] = field(default_factory=lambda: ["dense"])
+    budget: Budget = field(default_factory=lambda: Budget(64, 8))
+    samples: int = 4
+    seed: int = 0
+    batch_size: int = 1
+    documents: list[str] | None = None
+    num_needles: int = 4
+    hops: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ValueError("tasks must name at least one task")
+        for t in self.tasks:
+            if t not in TASKS:
+                raise ValueError(f"task must be one of {', '.join(TASKS)}; got {t!r}")
+        if not self.lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 64 for n in self.lengths):
+            raise ValueError(f"lengths must be integers >= 64, got {self.lengths}")
+        if any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
+            raise ValueError(f"depths must lie in [0, 1], got {self.depths}")
+        if not self.depths and any(t in RETRIEVAL_TASKS for t in self.tasks):
+            raise ValueError("depths must name at least one depth for the retrieval tasks")
+        if not self.policies:
+            raise ValueError("policies must name at least one policy")
+        for p in self.policies:
+            parse_policy(p)
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"policies must not repeat, got {self.policies}")
+        if not isinstance(self.budget, Budget):
+            raise ValueError(f"budget must be a Budget, got {type(self.budget).__name__}")
+        for name in ("samples", "batch_size", "num_needles", "hops"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that decide the samples and their scores (fixed for one output folder)."""
+        return dict(seed=self.seed, budget=str(self.budget), documents=self.documents,
+                    num_needles=self.num_needles, hops=self.hops)
+
+
+def record_key(policy: str, task: str, length: int, depth: float | None, index: int) -> str:
+    d = "-" if depth is None else f"{float(depth):g}"
+    return f"{policy}|{task}|{length}|{d}|{index}"
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a results.jsonl (a torn last line, from an interrupted write, is ignored)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (an interrupted write) so new records start clean."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as fh:
+            fh.truncate(data.rfind(b"\n") + 1)
+
+
+def _append(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    with open(path, "a") as fh:
+        for r in records:
+            fh.write(json.dumps(r, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def check_model(model: Any, policies: Sequence[str]) -> None:
+    """ValueError when `model` cannot run one of `policies` (checked before any work starts)."""
+    for policy in policies:
+        kind, _ = parse_policy(policy)
+        if kind in ("dense", "last"):
+            continue
+        if getattr(model, "set_attention_mode", None) is None:
+            raise ValueError(f"policy {policy!r} needs a model with sparse attention (set_attention_mode); "
+                             f"{type(model).__name__} has none: convert it to MSA first")
+        if kind != "msa" and getattr(model, "set_selection_policy", None) is None:
+            raise ValueError(f"policy {policy!r} needs model.set_selection_policy, which {type(model).__name__} lacks")
+        if kind == "msa" and not getattr(model, "has_indexer", True):
+            raise ValueError(f"policy 'msa' needs an index branch, which {type(model).__name__} has not: "
+                             "convert the model to MSA first")
+
+
+def configure_model(model: Any, policy: str, budget: Budget) -> str:
+    """Put `model` in the attention mode and selection of `policy`; returns where the selection
+    comes from ("none" for dense, "policy", or "model" for msa on a model without the hook)."""
+    kind, _ = parse_policy(policy)
+    set_mode = getattr(model, "set_attention_mode", None)
+    set_policy = getattr(model, "set_selection_policy", None)
+    if kind in ("dense", "last"):
+        if set_mode is not None:
+            set_mode("dense")
+        if set_policy is not None:
+            set_policy(None)
+        return "none"
+    if set_mode is None:
+        raise ValueError(f"policy {policy!r} needs a model with sparse attention (set_attention_mode); "
+                         f"{type(model).__name__} has none: convert it to MSA first")
+    if set_policy is None:
+        if kind != "msa":
+            raise ValueError(f"policy {policy!r} needs model.set_selection_policy, which {type(model).__name__} lacks")
+        set_mode("sparse")
+        return "model"
+    set_mode("sparse")
+    set_policy(make_policy(kind, budget))
+    return "policy"
+
+
+def _device(model: Any) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device("cpu")
+
+
+def _loss_record(model: Any, ids: list[int], keep: int | None, device: torch.device) -> dict[str, Any]:
+    """Per-position NLL of one document window; with `keep`, strided windows of `keep` tokens
+    (stride keep // 2: every scored token has keep // 2 .. keep - 1 tokens of context)."""
+    L = len(ids)
+    x = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
+    nll = torch.empty(L - 1, dtype=torch.float32)
+    if keep is None or keep >= L:
+        with torch.no_grad():
+            nll[:] = token_nll(model_logits(model, x), x)[0].cpu()
+    else:
+        stride = max(1, keep // 2)
+        done = 1  # next predicted position to score
+        s = 0
+        while done < L:
+            e = min(L, s + keep)
+            with torch.no_grad():
+                part = token_nll(model_logits(model, x[:, s:e]), x[:, s:e])[0].cpu()  # predicts s+1 .. e-1
+            nll[done - 1:e - 1] = part[done - s - 1:]
+            done = e
+            s += stride
+    pos = torch.arange(1, L)
+    buckets = bucket_sums(nll, pos, bucket_edges(L))
+    return dict(nll_sum=float(nll.double().sum()), tokens=L - 1, buckets=buckets)
+
+
+def run_eval(
+    model: Any, tokenizer: Any, cfg: EvalConfig, out_dir: str | os.PathLike[str], *,
+    progress: bool = True, log: Callable[[str], None] | None = None, model_name: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate `model` under every policy of `cfg`, appending to OUT/results.jsonl, then write
+    the report (summary.json, table.md, plot.png).  Returns the summary."""
+    from tqdm.auto import tqdm
+
+    from msakit.eval.report import write_report
+
+    log = log or (lambda s: None)
+    check_model(model, cfg.policies)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ident = cfg.identity()
+    spath = out / SETTINGS
+    if spath.is_file():
+        old = json.loads(spath.read_text()).get("identity", {})
+        diff = {k: (old.get(k), v) for k, v in ident.items() if old.get(k) != v}
+        if diff:
+            raise ValueError(f"{out} holds results made with other settings {diff} (old, new): use another --out")
+    spath.write_text(json.dumps(dict(identity=ident, model=model_name, config=_jsonable(asdict(cfg))), indent=2) + "\n")
+    rpath = out / RESULTS
+    _drop_torn_tail(rpath)
+    done = {r.get("key") for r in read_records(rpath)}
+    encode = encoder(tokenizer)
+    pieces = TokenPieces(encode)
+    device = _device(model)
+
+    plan = []  # (policy, task, length, depth, [indices to do])
+    for policy in cfg.policies:
+        for task in cfg.tasks:
+            for length in cfg.lengths:
+                for depth in ([None] if task == "loss" else cfg.depths):
+                    todo = [i for i in range(cfg.samples) if record_key(policy, task, length, depth, i) not in done]
+                    if todo:
+                        plan.append((policy, task, length, depth, todo))
+    total = sum(len(p[-1]) for p in plan)
+    log(f"{total} samples to run ({len(done)} already in {rpath})")
+    docs_cache: dict[int, list] = {}
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    bar = tqdm(total=total, disable=not progress, desc="msakit eval", unit="sample")
+    current = None
+    try:
+        for policy, task, length, depth, todo in plan:
+            if policy != current:
+                source = configure_model(model, policy, cfg.budget)
+                current = policy
+            kind, keep = parse_policy(policy)
+            bar.set_postfix_str(f"{policy} {task} {length}" + ("" if depth is None else f" d={depth:g}"))
+            base = dict(policy=policy, task=task, length=length, depth=depth, selection=source, budget=str(cfg.budget))
+            if task == "loss":
+                if length not in docs_cache:
+                    docs_cache[length] = long_documents(encode, length, cfg.samples, seed=cfg.seed, paths=cfg.documents)
+                    if len(docs_cache[length]) < cfg.samples:
+                        log(f"only {len(docs_cache[length])} documents have >= {length} tokens (wanted {cfg.samples})")
+                docs = docs_cache[length]
+                for i in todo:
+                    if i >= len(docs):
+                        bar.update(1)
+                        continue
+                    rec = _loss_record(model, docs[i].ids, keep, device)
+                    _append(rpath, [dict(base, key=record_key(policy, task, length, None, i), index=i,
+                                         doc=docs[i].name, **rec)])
+                    bar.update(1)
+                continue
+            for b0 in range(0, len(todo), cfg.batch_size):
+                idx = todo[b0:b0 + cfg.batch_size]
+                samples = [make_sample(None, task, length, depth, i, seed=cfg.seed, pieces=pieces,
+                                       num_needles=cfg.num_needles, hops=cfg.hops) for i in idx]
+                ids = torch.tensor([s.input_ids for s in samples], dtype=torch.long, device=device)
+                starts = [s.answer_start for s in samples]
+                if keep is not None and keep < length:
+                    cut = length - keep
+                    if min(starts) - cut < 1:
+                        raise ValueError(f"policy {policy!r} keeps {keep} tokens, fewer than the {task} answer needs")
+                    ids = ids[:, cut:]
+                    starts = [a - cut for a in starts]
+                with torch.no_grad():
+                    scores = answer_scores(model_logits(model, ids), ids, starts)
+                recs = []
+                for s, sc in zip(samples, scores):
+                    recs.append(dict(base, key=record_key(policy, task, length, depth, s.index), index=s.index,
+                                     answer=s.answer, needle_pos=s.needle_pos, **sc))
+                _append(rpath, recs)
+                bar.update(len(idx))
+    finally:
+        bar.close()
+        if current is not None:
+            configure_model(model, "dense", cfg.budget)
+        if was_training and hasattr(model, "train"):
+            model.train()
+    return write_report(read_records(rpath), cfg, out, model_name=model_name)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)

@@ -1,0 +1,255 @@
+"""The per-claim scripts' CPU-side logic: prefill's arguments, generate's kernel kinds,
+train_speed's FLOP count, spec's step-matched recipes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import generate, prefill, spec, train_speed  # noqa: E402
+
+
+def test_prefill_arguments(tmp_path):
+    a = prefill.parse_args([])
+    assert a.T == [16384, 131072, 1048576] and a.train_T == [16384, 131072]
+    assert a.kinds == ["random", "trained-like"] and a.check == [16384]
+    q = prefill.parse_args(["--quick"])
+    assert q.T == prefill.QUICK["T"] and q.train_T == prefill.QUICK["train_T"]
+    with pytest.raises(SystemExit):
+        prefill.parse_args(["--kinds", "dumped"])  # needs the file
+    f = tmp_path / "sel.pt"
+    torch.save({"block_idx": torch.zeros(1, 4, 300, 16, dtype=torch.int32)}, f)
+    d = prefill.parse_args(["--selection-file", str(f)])
+    assert d.kinds[-1] == "dumped" and prefill.load_block_idx_T(str(f)) == 300
+    assert prefill.kinds_at(300, d.kinds, str(f)) == ["random", "trained-like", "dumped"]
+    assert prefill.kinds_at(16384, d.kinds, str(f)) == ["random", "trained-like"]
+
+
+def test_prefill_flop_counts():
+    T = 131072
+    # dense causal: half of 4 Hq D T^2; sparse: 4 Hq D (topk * block) per query; index: half of 2 G Di T^2
+    assert prefill.flops_dense(T) == 4 * 64 * 128 * T * T / 2
+    assert prefill.flops_attn(T) == 4 * 64 * 128 * 16 * 128 * T
+    assert prefill.flops_index(T) == 2 * 4 * 128 * T * T / 2
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("_score2_kernel", "msa_decode"), ("_attn_kernel", "msa_decode"), ("_merge1_kernel", "msa_decode"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>", "sampling"),
+    ("void at::native::(anonymous namespace)::radixSortKVInPlace<...>", "moe_routing"),
+    ("void at::native::_scatter_gather_elementwise_kernel<...>", "moe_routing"),
+    ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<grouped>>", "grouped_gemm"),
+    ("nvjet_tst_128x64_64x6_1x1_v_bz_coopA_TNT", "gemm"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>", "norm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("something_unheard_of", "other"),
+])
+def test_kernel_kinds(name, kind):
+    assert generate.kernel_kind(name) == kind
+
+
+def test_per_step_kernel_table():
+    a = generate.kernel_table([("_attn_kernel", 2.0), ("nvjet_x", 1.0)])
+    b = generate.kernel_table([("_attn_kernel", 2.0)] * 5 + [("nvjet_x", 1.0)] * 9 + [("Memset", 0.5)])
+    ps = generate.per_step(a, b, 4)
+    assert ps["msa_decode"] == {"count": 1.0, "us": 2.0} and ps["gemm"] == {"count": 2.0, "us": 2.0}
+    assert ps["copy"] == {"count": 0.25, "us": 0.125}
+
+
+def test_train_speed_flops_count_active_parameters():
+    from msakit.models import M3Config, M3ForCausalLM
+
+    cfg = M3Config.preset("tiny")
+    model = M3ForCausalLM(cfg)
+    E, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    dense = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    experts = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 3 and p.shape[0] == E)
+    assert experts > 0 and train_speed.active_params(model) == pytest.approx(dense + experts * k / E)
+    T = 4096
+    d = train_speed.attn_fwd_flops_per_token(cfg, T, "dense")
+    s = train_speed.attn_fwd_flops_per_token(cfg, T, "sparse")
+    keys = cfg.index_topk_blocks * cfg.index_block_size
+    assert d == cfg.num_hidden_layers * 2 * cfg.num_attention_heads * cfg.head_dim * T
+    assert s == cfg.num_hidden_layers * (4 * cfg.num_attention_heads * cfg.head_dim * keys
+                                         + cfg.index_n_heads * cfg.index_head_dim * T)
+    assert train_speed.model_flops_per_token(model, T, "dense") == pytest.approx(
+        6 * train_speed.active_params(model) + 3 * d)
+
+
+def test_spec_recipes_fill_only_defaulted_flags():
+    ap = argparse.ArgumentParser()
+    for f, kw in (("--target-steps", dict(type=int)), ("--dense-warmup-steps", dict(type=int)),
+                  ("--pool-rows", dict(type=int)), ("--drafter-steps", dict(type=int)),
+                  ("--no-ablation", dict(action="store_true")), ("--budgets", dict(default="off,profiled")),
+                  ("--speed-batches", dict(type=int, nargs="*")), ("--speed-reps", dict(type=int)),
+                  ("--recipe", dict(default=None)), ("--quick", dict(action="store_true"))):
+        ap.add_argument(f, **kw)
+    a = ap.parse_args(["--recipe", "run17", "--drafter-steps", "10"])
+    spec.apply_recipe(a, ap)
+    assert (a.target_steps, a.dense_warmup_steps, a.pool_rows, a.no_ablation, a.budgets) == (358, 133, 2048, True, "off")
+    assert a.drafter_steps == 10  # explicit flags win
+    q = ap.parse_args(["--quick"])
+    spec.apply_recipe(q, ap)
+    assert q.recipe == "quick" and q.speed_batches == [1] and q.target_steps == spec.RECIPES["quick"]["target_steps"]
+    n = ap.parse_args([])
+    spec.apply_recipe(n, ap)
+    assert n.target_steps is None and n.budgets == "off,profiled"
+
+
+def test_prefill_extrapolates_only_missing_dense_steps():
+    rows = [{"T": 16384, "dense_train_ms": 10.0, "msa_train_ms": 5.0, "speedup_train": 2.0},
+            {"T": 131072, "dense_train_ms": 640.0, "msa_train_ms": 80.0, "speedup_train": 8.0},
+            {"T": 262144, "dense_train_ms": None, "msa_train_ms": 160.0},
+            {"T": 524288, "dense_train_ms": None, "error": "oom"}]
+    prefill.extrapolate_dense(rows)
+    assert rows[1]["dense_train_ms"] == 640.0 and "dense_train_extrapolated_from_T" not in rows[1]
+    assert rows[2]["dense_train_ms"] == 640.0 * 4 and rows[2]["speedup_train"] == 16.0
+    assert rows[2]["dense_train_extrapolated_from_T"] == 131072 and "speedup_train" not in rows[3]
+
+
+def _cpu_wall_s(fn, reps=3):
+    import time
+
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def test_generate_main_on_a_tiny_cpu_model(tmp_path, monkeypatch):
+    """generate.py end to end on CPU: the tiny preset instead of "small", host timing."""
+    import json
+
+    from msakit.models import M3Config, M3ForCausalLM
+
+    def build(context, new, batch, seed=0):
+        torch.manual_seed(seed)
+        cfg = M3Config.preset("tiny", vocab_size=64, max_position_embeddings=context + 4 * new + 8)
+        model = M3ForCausalLM(cfg).eval()
+        model.set_attention_mode("dense")  # no interpreted kernels: the script's logic is under test
+        return model, torch.randint(0, 64, (batch, context))
+
+    monkeypatch.setattr(generate, "build", build)
+    monkeypatch.setattr(generate, "wall_s", _cpu_wall_s)
+    monkeypatch.setattr(generate, "RESULTS", tmp_path, raising=False)
+    monkeypatch.setattr(sys.modules["benchmarks.common"], "RESULTS", tmp_path)
+    generate.main(["--contexts", "12", "--new", "2", "--reps", "1", "--eager", "--tag", "_t", "--out", str(tmp_path / "o")])
+    data = json.loads((tmp_path / "o" / "generate_cpu_t.json").read_text())
+    row = data["rows"][0]
+    assert row["context"] == 12 and row["new_tokens"] == 2 and "error" not in row, row
+    assert row["tok_s_e2e"] > 0 and row["prefill_ms"] > 0 and "eager" in row
+    assert data["env"]["tree_digest"] and "commit" in data["env"]
+
+
+def test_decode_main_with_a_fake_bench(tmp_path, monkeypatch):
+    """decode.py's driver logic (arguments, read-flush rows, JSON) over a stand-in for tools.bench.decode."""
+    import json
+    import types
+
+    from benchmarks import decode
+
+    calls = {}
+    row = lambda B, N, idx: {"B": B, "N": N, "idx": idx, "nq": 1, "msa_ms": 0.1, "floor_ms": 0.05,  # noqa: E731
+                             "vs_floor": 2.0, "dense_ms": 0.5, "speedup": 5.0}
+    fake = types.SimpleNamespace(
+        HQ=64, G=4, D=128, DI=128, PS=128, TOPK=16, READ_BW=4.16e12,
+        graph_check=lambda: {"ok": True},
+        run=lambda Bs, Ns, idxs, nq=1, plan_kw=None: calls.setdefault("run", [row(B, N, i) for N in Ns for B in Bs
+                                                                               for i in idxs]),
+        dense_ms=lambda B, N, read_flush=False: {"dense_ms": 0.5, "dense_read_ms": 0.45},
+        bench_case=lambda B, N, idx, detail=True, read_flush=False: {"msa_ms": 0.1, "msa_read_ms": 0.09},
+        print_table=lambda rows: calls.setdefault("printed", len(rows)))
+    monkeypatch.setattr(decode, "bench", fake)
+    monkeypatch.setattr(decode, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys.modules["benchmarks.common"], "RESULTS", tmp_path)
+    monkeypatch.setattr(decode, "plot", lambda rows, path: None)
+    decode.main(["--quick", "--read-flush", "--tag", "_t", "--out", str(tmp_path / "o")])
+    data = json.loads((tmp_path / "o" / "decode_cpu_t.json").read_text())
+    assert [(r["B"], r["N"]) for r in data["rows"]] == [(1, 16384), (1, 16384), (1, 1048576), (1, 1048576)]
+    assert "graph_check" not in data  # --quick skips it
+    assert [(r["N"], r["idx"]) for r in data["read_flush"]] == [(1048576, "bf16"), (1048576, "fp8")]
+    assert data["read_flush"][0]["speedup_read_flush"] == pytest.approx(5.0) and calls["printed"] == 4
+
+
+def test_prefill_main_at_toy_sizes_on_cpu(tmp_path, monkeypatch):
+    """prefill.py's flow (kinds, forward and training rows, check, JSON) on CPU: a toy layer shape,
+    the reference ops, host timing; the GPU-only parts (CUDA timing, memory) stand in."""
+    import json
+    import time
+    import types
+
+    from msakit import ops
+
+    for name, val in dict(HQ=4, G=2, D=16, DI=16, BS=16, TOPK=4).items():
+        monkeypatch.setattr(prefill, name, val)
+
+    def inputs(T, seed=0, grad=False):
+        g = torch.Generator().manual_seed(seed)
+        ts = [torch.randn(*s, generator=g) for s in ((1, T, 4, 16), (1, T, 2, 16), (1, T, 2, 16), (1, T, 2, 16),
+                                                      (1, T, 16))]
+        return [t.requires_grad_(grad) for t in ts]
+
+    ref = types.SimpleNamespace(
+        index_topk=lambda *a, **k: ops.index_topk(*a, backend="reference", **k),
+        sparse_attention=lambda *a, **k: ops.sparse_attention(*a, backend="reference", **k),
+        index_kl_loss=lambda *a, **k: ops.index_kl_loss(*a, backend="reference", **k))
+
+    def host_ms(fn, **kw):
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+
+    monkeypatch.setattr(prefill, "inputs", inputs)
+    monkeypatch.setattr(prefill, "ops", ref)
+    monkeypatch.setattr(prefill, "bench_ms", host_ms)
+    monkeypatch.setattr(prefill, "dense_cudnn", lambda q, k, v, backward=False: lambda: ops.dense_attention(q, k, v))
+    monkeypatch.setattr(prefill, "peak_extra_gib", lambda fn, keep=0: (fn(), 0.0)[1])
+    monkeypatch.setattr(prefill, "plot", lambda *a: None)
+    monkeypatch.setattr(prefill, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys.modules["benchmarks.common"], "RESULTS", tmp_path)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
+    prefill.main(["--T", "64", "96", "--train-T", "64", "--tag", "_t", "--out", str(tmp_path / "o")])
+    data = json.loads((tmp_path / "o" / "prefill_cpu_t.json").read_text())
+    assert [(r["T"], r["kind"]) for r in data["forward"]] == [(64, "random"), (64, "trained-like"),
+                                                               (96, "random"), (96, "trained-like")]
+    assert [(r["T"], r["kind"]) for r in data["train"]] == [(64, "random"), (64, "trained-like")]
+    assert not any("error" in r for r in data["forward"] + data["train"]), data
+    f64 = data["forward"][:2]
+    assert all(r["max_row_rel_err"] == 0.0 for r in f64)  # the reference against itself
+    assert "max_row_rel_err" not in data["forward"][2]  # checked at the smallest T only
+    assert all(r["speedup_fwd"] > 0 and r["sparse_attn_tflops"] > 0 for r in data["forward"])
+    assert "partial" not in data and data["kinds"] == ["random", "trained-like"]
+
+
+def test_train_speed_measure_on_cpu(monkeypatch):
+    """One MSA and one dense measurement of train_speed.py on the tiny preset on CPU (the step's
+    calls into the model and optimizer; the numbers mean nothing)."""
+    monkeypatch.setattr(train_speed, "wall_s", _cpu_wall_s)
+    rows = {m: train_speed.measure(64, 64, m, steps=1, warmup=0, dense_backend="default", peak=1.0, profile=False,
+                                   preset="tiny", device="cpu") for m in ("dense", "sparse")}
+    for m, r in rows.items():
+        assert r["batch"] == 1 and r["tokens_per_step"] == 64 and r["step_ms"] > 0 and r["mfu"] > 0, r
+    assert "mfu_dense_equiv" in rows["sparse"] and rows["sparse"]["model_tflop_per_step"] < rows["dense"][
+        "model_tflop_per_step"] * 2
+
+
+@pytest.mark.parametrize("name", ["common", "selections", "prefill", "decode", "generate", "train_speed", "qat", "spec",
+                                  "spec_report", "quality", "gpu"])
+def test_every_script_imports(name):
+    """What a script imports at module level exists in the tree (the GPU runs them; CI cannot)."""
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.{name}")
+    if hasattr(mod, "main"):
+        assert callable(mod.main)
