@@ -298,8 +298,10 @@ def cmd_cp_scaling(args) -> None:
     for T in (args.tokens or ([512, 1024] if dev.type == "cpu" else [262144, 524288, 1048576])):
         ctx = ContextParallel(par.cp_group, T, shape["block_size"]) if env.distributed else \
             ContextParallel(None, T, shape["block_size"])
-        h_local = ctx.shard(_cp_inputs(T, shape["hidden_size"], dev, torch.float32)) if env.distributed else None
-        h_full = None if env.distributed else _cp_inputs(T, shape["hidden_size"], dev, torch.float32)
+        # each rank draws only its own tokens (the whole sequence of 1M x 6144 would not fit every GPU)
+        hdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        h_local = _cp_inputs(ctx.local_len, shape["hidden_size"], dev, hdt, seed=env.rank) if env.distributed else None
+        h_full = None if env.distributed else _cp_inputs(T, shape["hidden_size"], dev, hdt)
         row: dict[str, Any] = {"tokens": T}
         try:
             if dev.type == "cuda":

@@ -362,7 +362,7 @@ def round_breakdown(target, drafter, prompt: torch.Tensor, dev, reps: int = 30) 
     w = g + 1 positions, the whole fused greedy round (replayed without advancing), and
     `model.generate`'s paged decode step over 1 and g + 1 new tokens."""
     from msakit.generate import PagedDecoder
-    from msakit.speculative.generate import _StaticRounds
+    from msakit.speculative.generate import StaticRounds
 
     B, T = prompt.shape
     g = drafter.config.block_size
@@ -379,7 +379,7 @@ def round_breakdown(target, drafter, prompt: torch.Tensor, dev, reps: int = 30) 
         return 1e3 * (time.perf_counter() - t0) / reps
 
     kw = dict(temperature=0.0, top_k=None, top_p=None, num_drafts=g)
-    rounds = _StaticRounds(target, drafter, prefilled_cache(target, drafter, prompt, dev), taps, g, True,
+    rounds = StaticRounds(target, drafter, prefilled_cache(target, drafter, prompt, dev), taps, g, True,
                            dict(kw, want_confidence=False))
     anchor = prompt[:, -1]
     drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
@@ -387,7 +387,7 @@ def round_breakdown(target, drafter, prompt: torch.Tensor, dev, reps: int = 30) 
            "drafter_block_ms": per_call(lambda: rounds.draft(anchor)),
            "target_w1_ms": per_call(lambda: rounds.verify_forward(drafts[:, :0])),
            f"target_w{g + 1}_ms": per_call(lambda: rounds.verify_forward(drafts))}
-    fused = _StaticRounds(target, drafter, prefilled_cache(target, drafter, prompt, dev), taps, g, True, None)
+    fused = StaticRounds(target, drafter, prefilled_cache(target, drafter, prompt, dev), taps, g, True, None)
     fused.fused_setup(kw, lambda logits: logits.float(), anchor, [True] * B)
     out["fused_round_ms"] = per_call(lambda: fused.run("round", fused._round))
     for nq in (1, g + 1):

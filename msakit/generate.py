@@ -52,6 +52,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from msakit.sampling import sample_next
+
 from msakit.cache import KVCache, PagedKVCache, PagedStep
 
 __all__ = ["KVCache", "sample_next", "generate", "generate_uncached", "paged_supported", "PagedDecoder",
@@ -154,15 +156,15 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Any, "to
     The warm-up is a real call of fn() on a side stream with torch's sync debug mode set to
     "error", so any host sync raises; then fn() is captured on that stream.  Returns (the
     warm-up's output, the graph, the captured call's output buffers); raises GraphCaptureError.
-    A sync error inside torch._grouped_mm does not mark it failed for good (`_GMM_FAILED` is
+    A sync error inside torch._grouped_mm does not mark it failed for good (`grouped_mm_failed` is
     restored)."""
-    from msakit.nn.moe import _GMM_FAILED
+    from msakit.nn.moe import grouped_mm_failed
 
     cur = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(cur)
     prev = torch.cuda.get_sync_debug_mode()
-    gmm_failed = set(_GMM_FAILED)
+    gmm_failed = set(grouped_mm_failed)
     try:
         with torch.cuda.stream(side):
             torch.cuda.set_sync_debug_mode("error")
@@ -170,7 +172,7 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Any, "to
                 out = fn()
             finally:
                 torch.cuda.set_sync_debug_mode(prev)
-                _GMM_FAILED.intersection_update(gmm_failed)
+                grouped_mm_failed.intersection_update(gmm_failed)
     except Exception as e:  # noqa: BLE001 - the caller falls back to eager
         cur.wait_stream(side)
         raise GraphCaptureError("warm-up", e) from e
@@ -183,7 +185,7 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Any, "to
             with torch.cuda.graph(graph, stream=side):
                 captured = fn()
         finally:
-            _GMM_FAILED.intersection_update(gmm_failed)
+            grouped_mm_failed.intersection_update(gmm_failed)
     except Exception as e:  # noqa: BLE001
         raise GraphCaptureError("capture", e, out) from e
     return out, graph, captured
@@ -329,7 +331,7 @@ class PagedDecoder:
     # ------------------------------------------------------------------ static (CUDA-graph) step
     def graph_unsupported_reason(self) -> str | None:
         """Why this model's decode step cannot be captured (checked before any capture), or None."""
-        from msakit.nn.moe import MoE, GroupedExperts, _GMM_FAILED, _compute_dtype, _grouped_mm_ok
+        from msakit.nn.moe import MoE, GroupedExperts, compute_dtype, grouped_mm_failed, grouped_mm_ok
 
         sparse, triton = self._sparse_triton()
         if sparse and not triton:
@@ -343,10 +345,10 @@ class PagedDecoder:
                 return f"layer {i}: the MoE ({type(moe).__name__}) is not msakit's MoE (its forward may sync)"
             ex = moe.experts
             if type(ex) is GroupedExperts:  # subclasses (QAT, packed) are checked by the warm-up
-                dt = _compute_dtype(ex.w1.new_empty(0), ex.w1)  # GroupedExperts.forward's compute dtype
+                dt = compute_dtype(ex.w1.new_empty(0), ex.w1)  # GroupedExperts.forward's compute dtype
                 x = torch.empty(0, ex.hidden_size, dtype=dt, device=ex.w1.device)
                 ws = [torch.empty(w.shape, dtype=dt, device="meta").transpose(1, 2) for w in (ex.w1, ex.w3, ex.w2)]
-                if (x.device.type, dt) in _GMM_FAILED or not all(_grouped_mm_ok(x, w) for w in ws):
+                if (x.device.type, dt) in grouped_mm_failed or not all(grouped_mm_ok(x, w) for w in ws):
                     return (f"layer {i}: the MoE experts would use the padded-bmm fallback of grouped_mm "
                             "(int(counts.max()): a host sync) instead of torch._grouped_mm")
         return None
@@ -518,43 +520,6 @@ def decoder_for(model: Any, batch: int, max_len: int, *, kv_dtype: torch.dtype |
 def clear_decoders(model: Any = None) -> None:
     """Drop the pooled decoders (and their graphs) of `model`, or of every model."""
     _DECODERS.clear(model)
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """logits [B, V] -> next tokens int64 [B]."""
-    if temperature is None or temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    V = logits.shape[-1]
-    if top_k is not None:
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if top_k < V:
-            kth = logits.topk(top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_p < 1:
-            srt, order = logits.sort(dim=-1, descending=True)
-            cum = srt.softmax(-1).cumsum(-1)
-            drop = cum - srt.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
-            drop = torch.zeros_like(drop).scatter(-1, order, drop)
-            logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    dev = probs.device
-    if generator is not None and generator.device != dev:
-        probs = probs.to(generator.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(dev)
 
 
 def _emit(streamer: Any, tokens: torch.Tensor) -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from msakit.train.run import add_data_args, add_optim_args
+    from msakit.distributed.args import add_distributed_args
+    from msakit.train.run import POS_INT, add_data_args, add_optim_args
 
     p = subparsers.add_parser(
         "train", help="train an M3 model (full-attention warm-up, then sparse attention)",
@@ -27,6 +28,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--init", metavar="PATH", help="start from these weights (a checkpoint or model folder)")
     add_data_args(p)
     add_optim_args(p)
+    add_distributed_args(p, positive_int=POS_INT)
     p.set_defaults(func=_run)
     return p
 

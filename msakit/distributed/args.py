@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -22,9 +22,11 @@ from msakit.distributed.launch import Parallel, init_distributed, make_parallel
 __all__ = ["add_distributed_args", "setup_distributed", "trainer_kwargs", "rank0_first", "is_main"]
 
 
-def add_distributed_args(p: argparse.ArgumentParser) -> None:
+def add_distributed_args(p: argparse.ArgumentParser, *, positive_int: Callable[[str], int] = int) -> None:
+    """--cp, --fsdp, --activation-checkpointing; `positive_int` is the argparse type of --cp (the
+    CLI passes its bounded integer type, so 0 is refused while parsing)."""
     g = p.add_argument_group("several GPUs (launch with torchrun --nproc-per-node N -m msakit ...)")
-    g.add_argument("--cp", type=int, default=1, metavar="N",
+    g.add_argument("--cp", type=positive_int, default=1, metavar="N",
                    help="context-parallel size: each sequence is split over N ranks (default 1); "
                         "the data-parallel size is the world size / N")
     g.add_argument("--fsdp", action="store_true",

@@ -8,7 +8,7 @@ so pairing chunk r with chunk 2 cp - 1 - r gives every rank the same amount of s
 Padding tokens sit after every real token: causally no real query sees them, and they are
 left out of the outputs' meaning (zero rows, -1 selections) and of the KL.
 
-Per layer (`ContextParallel.attend`, with the signature of `msakit.models.modeling.msa_attend`):
+Per layer (`ContextParallel.attend`, with the signature of `msakit.nn.attention.msa_attend`):
 
 1. the key side (k, v and the index keys k_idx) of every rank is all-gathered into the whole
    padded sequence; k_idx first, k and v asynchronously, so that their transfer overlaps the
@@ -124,15 +124,17 @@ def chunk_layout(seq_len: int, cp: int, rank: int, block_size: int) -> ChunkLayo
 def comm_bytes_per_layer(tokens: int, cp: int, *, groups: int, head_dim: int, index_dim: int | None,
                          kv_bytes: int = 2, index_bytes: int = 2) -> dict[str, float]:
     """Bytes each rank receives per layer for `tokens` padded tokens: forward all-gather of
-    k, v (and k_idx), the backward re-gather and the reduce-scatter of their gradients.
+    k, v (and k_idx), the backward re-gather, and the reduce-scatter of their gradients (float32).
 
     Per token of the key side: 2 * groups * head_dim * kv_bytes + index_dim * index_bytes
     (M3 in bf16: 2 * 4 * 128 * 2 + 128 * 2 = 2304 bytes = 2.25 KiB)."""
     per_token = 2 * groups * head_dim * kv_bytes + (index_dim or 0) * index_bytes
+    grad_per_token = 4 * (2 * groups * head_dim + (index_dim or 0))
     remote = tokens * (cp - 1) / cp  # tokens held by the other ranks
     fwd = remote * per_token
+    rs = remote * grad_per_token
     return {"bytes_per_token": float(per_token), "forward_all_gather": fwd, "backward_all_gather": fwd,
-            "backward_reduce_scatter": fwd, "total": 3 * fwd}
+            "backward_reduce_scatter": rs, "total": 2 * fwd + rs}
 
 
 @dataclass
@@ -184,18 +186,20 @@ class _Pending:
         if self.work is None:
             return self.buf
         self.work.wait()
-        return self.buf.index_select(0, self.cp.inverse_order(self.buf.device)).movedim(0, 1)
+        buf, self.buf = self.buf, None  # the rank-major buffer is freed once reordered
+        return buf.index_select(0, self.cp.inverse_order(buf.device)).movedim(0, 1)
 
 
 def _scatter_grad(g: torch.Tensor, cp: "ContextParallel") -> torch.Tensor:
-    """g [B, Tp, ...] (this rank's gradient for every token) -> [B, L, ...] summed over the ranks."""
+    """g [B, Tp, ...] (this rank's gradient for every token) -> [B, L, ...] summed over the ranks
+    (in float32, as FSDP reduces: bf16 sums of cp partial gradients would lose bits)."""
     if cp.size == 1:
         return g
-    gt = g.movedim(1, 0).index_select(0, cp.rank_order(g.device)).contiguous()  # rank-major
+    gt = g.movedim(1, 0).index_select(0, cp.rank_order(g.device)).float().contiguous()  # rank-major
     out = gt.new_empty((cp.layout.local_len,) + tuple(gt.shape[1:]))
     _reduce_scatter_into(out, gt, cp.group)
     cp.stats.reduce_scatter += (cp.size - 1) * out.numel() * out.element_size()
-    return out.movedim(0, 1)
+    return out.movedim(0, 1).to(g.dtype)
 
 
 class GatherSequence(torch.autograd.Function):
@@ -273,11 +277,18 @@ def _dense_offset(q, k, v, scale: float | None, max_mask_elements: int = 1 << 26
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def _no_autocast(x: torch.Tensor):
+    """The reference ops compute in float32 like the kernels: autocast (CUDA bf16) must not cast
+    their einsums down."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
 def _select(qi: torch.Tensor, ki: torch.Tensor, st: _Settings) -> torch.Tensor:
     kw = dict(block_size=st.block_size, topk=st.topk, local_blocks=st.local_blocks, init_blocks=st.init_blocks)
     if qi.shape[1] == ki.shape[1]:
         return ops.index_topk(qi, ki, **kw)
-    return index_topk_reference(qi, ki, **kw)
+    with _no_autocast(qi):
+        return index_topk_reference(qi, ki, **kw)
 
 
 def _attend(q, kf, vf, qi, kif, p: _Piece, bi, st: _Settings):
@@ -289,7 +300,8 @@ def _attend(q, kf, vf, qi, kif, p: _Piece, bi, st: _Settings):
         if whole:
             o = ops.sparse_attention(qp, kp, vp, bi, block_size=st.block_size, softmax_scale=st.scale, validate=False)
         else:
-            o = sparse_attention_reference(qp, kp, vp, bi, block_size=st.block_size, softmax_scale=st.scale)
+            with _no_autocast(qp):
+                o = sparse_attention_reference(qp, kp, vp, bi, block_size=st.block_size, softmax_scale=st.scale)
     else:
         o = _dense_offset(qp, kp, vp, st.scale)
     kl = None
@@ -299,8 +311,9 @@ def _attend(q, kf, vf, qi, kif, p: _Piece, bi, st: _Settings):
             kl = ops.index_kl_loss(qp, kp, qip, kip, bi, block_size=st.block_size, softmax_scale=st.scale,
                                    validate=False)
         else:
-            kl = index_kl_loss_reference(qp.detach(), kp.detach(), qip, kip, bi, block_size=st.block_size,
-                                         softmax_scale=st.scale)
+            with _no_autocast(qp):
+                kl = index_kl_loss_reference(qp.detach(), kp.detach(), qip, kip, bi, block_size=st.block_size,
+                                             softmax_scale=st.scale)
     return o, kl
 
 
@@ -407,7 +420,7 @@ class ContextParallel:
     group: the cp process group (None: the default group; a world size of 1 runs without
     collectives); block_size: the MSA block size (chunks are multiples of it); cu_seqlens:
     int32 [ndocs + 1] over the GLOBAL sequence for a packed batch (B = 1), documents may cross
-    chunk boundaries.  `attend` has the signature of `msakit.models.modeling.msa_attend` and
+    chunk boundaries.  `attend` has the signature of `msakit.nn.attention.msa_attend` and
     is what the model's layer calls instead of it (see docs/distributed.md for the hook).
     """
 

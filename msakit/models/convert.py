@@ -248,6 +248,7 @@ class _CallState:
         self.positions: torch.Tensor | None = None
         self.kls: list[torch.Tensor] = []
         self.inputs: dict[int, dict[str, Any]] = {}
+        self.policy: Callable[..., torch.Tensor] | None = None  # `MSAWrappedModel.set_selection_policy`
 
 
 def _capture_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -284,6 +285,11 @@ def _msa_attention_interface(module, query, key, value, attention_mask, dropout=
     segments = st.segments or [(0, T)]  # the HF model called directly, not through the wrapper
     q_idx, k_idx = _index_project(module, hidden, positions, st.sel)
     sel = st.sel
+    select = None
+    if st.policy is not None and st.mode == "sparse":
+        if len(segments) > 1:
+            raise ValueError("a selection policy takes one unpacked sequence per row")
+        select = lambda qi, ki: st.policy(layer, q, k, qi, ki, sel)  # noqa: E731
     if st.mode == "dense" and len(segments) == 1:
         o, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         kl = bidx = None
@@ -295,7 +301,8 @@ def _msa_attention_interface(module, query, key, value, attention_mask, dropout=
                 kl = ops.index_kl_loss(q, k, q_idx, k_idx, bidx, block_size=sel.block_size, softmax_scale=scaling)
     else:
         o, kl, bidx = msa_attend(q, k, v, q_idx, k_idx, sel, mode=st.mode, compute_kl=st.compute_kl,
-                                 need_block_idx=st.want_inputs, segments=segments, softmax_scale=scaling)
+                                 need_block_idx=st.want_inputs, segments=segments, softmax_scale=scaling,
+                                 select=select)
     if kl is not None:
         st.kls.append(kl)
     if st.want_inputs:
@@ -397,6 +404,14 @@ class MSAWrappedModel(nn.Module):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self._state.mode = mode
         self.settings.mode = mode
+
+    def set_selection_policy(self, policy: Callable[..., torch.Tensor] | None) -> None:
+        """Replace the indexer's selection in sparse mode (evaluation): policy(layer_idx, q
+        [B,T,Hq,D], k [B,T,G,D], q_idx, k_idx, cfg) -> block_idx int32 [B, G, T, K]; None
+        restores the indexer (see `M3ForCausalLM.set_selection_policy`)."""
+        if policy is not None and not callable(policy):
+            raise ValueError(f"policy must be callable or None, got {type(policy).__name__}")
+        self._state.policy = policy
 
     def update_routing_bias(self, expert_load: torch.Tensor, rate: float = 1e-3) -> None:
         """No MoE in the wrapped dense model: accepts the empty [0, E] load and does nothing."""

@@ -238,6 +238,16 @@ class M3ForCausalLM(nn.Module):
             attn.mode = mode
         self._mode = mode
 
+    def set_selection_policy(self, policy: Callable[..., torch.Tensor] | None) -> None:
+        """Replace the indexer's selection in every MSA layer's full-sequence forward (evaluation):
+        policy(layer_idx, q [B,T,Hq,D], k [B,T,G,D], q_idx, k_idx, cfg) -> block_idx int32
+        [B, G, T, K] in cfg.block_size blocks; None restores the indexer.  Decoding with a cache
+        always uses the indexer."""
+        if policy is not None and not callable(policy):
+            raise ValueError(f"policy must be callable or None, got {type(policy).__name__}")
+        for attn in self.msa_layers():
+            attn.selection_policy = policy
+
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device

@@ -160,6 +160,9 @@ class MSAAttention(nn.Module):
         # full-sequence attention hook: None (`msa_attend`) or an object whose `attend` takes
         # msa_attend's arguments (context parallelism: msakit.distributed.ContextParallel)
         self.context = None
+        # selection override for evaluation: None (the indexer) or
+        # fn(layer_idx, q, k, q_idx, k_idx, cfg) -> block_idx int32 [B, G, T, K] (`set_selection_policy`)
+        self.selection_policy: Callable[..., torch.Tensor] | None = None
         self.index_branch = bool(index_branch)
         self.mode = mode if self.index_branch else "dense"
         H, Hq, G, D, Di = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_dim
@@ -219,6 +222,15 @@ class MSAAttention(nn.Module):
                 q_idx, k_idx, block_size=c.block_size, topk=c.topk, local_blocks=c.local_blocks, init_blocks=c.init_blocks
             )
 
+    def _selector(self, q: torch.Tensor, k: torch.Tensor, segments: Sequence[tuple[int, int]] | None):
+        """The selection msa_attend uses: the indexer, or the selection policy (whole sequences only)."""
+        policy = self.selection_policy
+        if policy is None:
+            return self.select
+        if self.context is not None or (segments is not None and len(segments) > 1):
+            raise ValueError("a selection policy takes one unpacked sequence per row, without context parallelism")
+        return lambda qi, ki: policy(self.layer_idx, q, k, qi, ki, self.cfg)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -244,7 +256,8 @@ class MSAAttention(nn.Module):
         if cache is None:
             attend = msa_attend if self.context is None else self.context.attend
             o, kl, bidx = attend(q, k, v, q_idx, k_idx, c, mode=self.mode, compute_kl=compute_kl,
-                                 need_block_idx=want_inputs, segments=segments, select=self.select)
+                                 need_block_idx=want_inputs, segments=segments,
+                                 select=self._selector(q, k, segments))
             if want_inputs:
                 det = lambda t: None if t is None else t.detach()  # noqa: E731
                 inputs = dict(q=det(q), k=det(k), q_idx=det(q_idx), k_idx=det(k_idx), block_idx=bidx,

@@ -163,12 +163,6 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return w.dtype
 
 
-# Old private names, kept until msakit/generate.py imports the public ones.
-_GMM_FAILED = grouped_mm_failed
-_compute_dtype = compute_dtype
-_grouped_mm_ok = grouped_mm_ok
-
-
 class MoE(nn.Module):
     """M3 `block_sparse_moe`: gate (fp32 router), e_score_correction_bias, experts, shared_experts.
 

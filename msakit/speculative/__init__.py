@@ -7,7 +7,7 @@
 
 Training (`msakit train-drafter`, `msakit.speculative.train`): the target frozen, its tap states captured
 on the fly, loss 0.1 CE + 0.9 TV + 1.0 BCE(confidence) with position weights exp(-k / 4).
-See ../shared/reference/dspark.md for the design and the verification pitfalls.
+See docs/spec.md for the design and the verification rules.
 """
 
 from msakit.speculative.config import DRAFTER_PRESETS, DSparkConfig, spread_taps

@@ -1,6 +1,6 @@
 """`DSparkConfig`: the DSpark drafter's settings, in and out of the released ``dspark/config.json``.
 
-The M3.1-Flash drafter (``../shared/fixtures/minimax-m3.1-flash/dspark/config.json``, shipped as
+The M3.1-Flash drafter (the released ``dspark/config.json``, shipped as
 package data ``msakit/speculative/configs/minimax-m3.1-flash-dspark.json``; preset ``"minimax-m3.1-flash"``):
 5 dense layers at the target's width 6144, 64 / 4 heads of 128, SwiGLU-OAI FFN 12288, sliding
 window 4096 on every layer, taps of target layers [3, 17, 31, 45, 59], ``dspark_block_size`` 7

@@ -33,7 +33,7 @@ drafts it cuts, so the output distribution stays exact.  The target forward then
 longest chosen prefix + 1 (one extra host sync per round).
 
 Rounds without the confidence budget (`_fused_rounds`): one fixed-shape function per round,
-`_StaticRounds.round` -- (a) the drafter block `draft_hidden(drafter, cache, anchor, lengths)`
+`StaticRounds.round` -- (a) the drafter block `draft_hidden(drafter, cache, anchor, lengths)`
 (the context is all max_len positions with the window / length mask) and the drafts
 (`propose`; sampling from race noise drawn beforehand), (b) the verify forward `target_step`:
 [anchor, x_1 .. x_g] at positions lengths + i, keys written, attention over all max_len
@@ -79,7 +79,7 @@ from msakit.speculative.drafter import DraftProposal, DSparkDrafter
 from msakit.speculative.verify import check_sampling, confidence_budget as schedule_budget, sample_probs, sampling_probs, verify
 
 __all__ = ["speculative_generate", "autoregressive_generate", "SpecStats", "SpecCache", "target_forward",
-           "draft_context_update", "draft_hidden", "target_step", "clear_runs"]
+           "draft_context_update", "draft_hidden", "target_step", "clear_runs", "StaticRounds"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ class _Graphed:
         return tuple(o.clone() for o in outs)
 
 
-class _StaticRounds:
+class StaticRounds:
     """The static buffers of the speculative rounds of one run (batch B, block g): `lengths`
     int64 [B] (the cache lengths at the round's start) and `tokens` int64 [B, g + 1] ([anchor,
     drafts]); the drafter block and the target verify forward read only these and the
@@ -376,8 +376,8 @@ class _Book:
             self.streamer(new_tokens)
 
 
-def _fused_rounds(rounds: "_StaticRounds", book: _Book, draft_gen: torch.Generator, accept_gen: torch.Generator) -> None:
-    """The rounds without a confidence budget: each is one `_StaticRounds.round` call (one CUDA
+def _fused_rounds(rounds: "StaticRounds", book: _Book, draft_gen: torch.Generator, accept_gen: torch.Generator) -> None:
+    """The rounds without a confidence budget: each is one `StaticRounds.round` call (one CUDA
     graph: draft, verify forward, verification, next state), pipelined one round deep -- round
     r + 1 is queued before round r's results are read (one event wait per round, no stall of the
     GPU on the host's bookkeeping).  The last queued round is discarded, and a row that ended in
@@ -418,7 +418,7 @@ def _fused_rounds(rounds: "_StaticRounds", book: _Book, draft_gen: torch.Generat
         i += 1
 
 
-def _budget_rounds(rounds: "_StaticRounds", anchor: torch.Tensor, book: _Book, greedy: bool, process, draft_gen,
+def _budget_rounds(rounds: "StaticRounds", anchor: torch.Tensor, book: _Book, greedy: bool, process, draft_gen,
                    accept_gen, cost, propose_kw: dict) -> None:
     """The rounds with DSpark's confidence budget: the drafter block (a graph; greedy: with the
     argmax drafts), the scheduler's verify lengths (a host sync: the verify width), the target
@@ -459,7 +459,7 @@ class _RunState:
 
     def __init__(self, cache: SpecCache) -> None:
         self.cache = cache
-        self.rounds: _StaticRounds | None = None
+        self.rounds: StaticRounds | None = None
         self.plain: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.in_use = False
 
@@ -467,9 +467,9 @@ class _RunState:
         self.cache.reset()
 
     def rounds_for(self, target, drafter: DSparkDrafter, taps: Sequence[int], g: int, use_graph: bool,
-                   propose_kw: dict[str, Any] | None) -> "_StaticRounds":
+                   propose_kw: dict[str, Any] | None) -> "StaticRounds":
         if self.rounds is None:
-            self.rounds = _StaticRounds(target, drafter, self.cache, taps, g, use_graph, propose_kw)
+            self.rounds = StaticRounds(target, drafter, self.cache, taps, g, use_graph, propose_kw)
         self.rounds.target, self.rounds.drafter = target, drafter
         return self.rounds
 
@@ -608,7 +608,7 @@ def speculative_generate(
     positions per row attend through msa_decode), "contiguous" (position-masked attention over
     contiguous buffers) or "auto" (paged on CUDA with Triton when `paged_supported(target)`).
     cuda_graph: None (on CUDA: on), True or False (eager); on CPU the rounds always run eagerly.
-    Either way the rounds run the same fixed-shape code (`_StaticRounds`), so the output does not
+    Either way the rounds run the same fixed-shape code (`StaticRounds`), so the output does not
     depend on it.
     """
     check_sampling(temperature, top_k, top_p)

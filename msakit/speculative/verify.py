@@ -1,5 +1,5 @@
-"""Lossless verification of a block of drafts (Leviathan et al. 2023; Chen et al. 2023), the
-sampling transforms shared by target and drafter, and DSpark's confidence-budgeted schedule.
+"""Lossless verification of a block of drafts (Leviathan et al. 2023; Chen et al. 2023) and
+DSpark's confidence-budgeted schedule (the sampling transform is `msakit.sampling`).
 
 `verify(draft_tokens [B, g], draft_probs [B, g, V], target_probs [B, g + 1, V])`, per row:
 
@@ -8,7 +8,7 @@ sampling transforms shared by target and drafter, and DSpark's confidence-budget
     all g accepted:        emit a bonus sample of p_(g+1)
 
 so every emitted token is an exact sample of the target's (processed) distribution given the
-tokens before it.  Requirements (../shared/reference/dspark.md, section 5):
+tokens before it.  Requirements (DSpark's verification rules):
 
 - q_k must be exactly the distribution x_k was drawn from: after the Markov bias, the
   temperature and the top-k / top-p truncation (`sampling_probs` on both sides);
@@ -30,6 +30,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from msakit.sampling import check_sampling, sample_probs, sampling_probs
+
 __all__ = [
     "verify",
     "sampling_probs",
@@ -37,66 +39,6 @@ __all__ = [
     "check_sampling",
     "confidence_budget",
 ]
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature is None or isinstance(temperature, bool) or not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-
-
-def sampling_probs(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-) -> torch.Tensor:
-    """logits [..., V] -> float32 probabilities of the sampler `msakit.generate.sample_next`
-    (temperature, then top-k, then top-p keeping the smallest prefix reaching top_p).
-
-    The same transform is applied to the target's and the drafter's logits.  Temperature 0 gives
-    the one-hot argmax distribution."""
-    check_sampling(temperature, top_k, top_p)
-    logits = logits.float()
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / temperature
-    V = logits.shape[-1]
-    if top_k is not None and top_k < V:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        srt, order = logits.sort(dim=-1, descending=True)
-        ps = srt.softmax(-1)
-        drop = ps.cumsum(-1) - ps >= top_p
-        drop = torch.zeros_like(drop).scatter(-1, order, drop)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
-
-
-def sample_probs(probs: torch.Tensor, generator: torch.Generator | None = None, *,
-                 noise: torch.Tensor | None = None) -> torch.Tensor:
-    """One draw per row of probs [..., V] (need not be normalised) -> int64 [...].
-
-    Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d., an exact sample of p / sum(p) with
-    no host sync (``torch.multinomial`` may sync).  Zero-probability tokens are never drawn.
-    noise: the Exp(1) draws E themselves (float32, probs' shape), drawn beforehand, e.g. outside
-    a CUDA graph that samples inside it; then `generator` is not used."""
-    if noise is not None:
-        if noise.shape != probs.shape:
-            raise ValueError(f"noise must have the shape of probs {tuple(probs.shape)}, got {tuple(noise.shape)}")
-        e = noise
-    elif generator is not None and generator.device.type == "cpu" and probs.device.type != "cpu":
-        e = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator).to(probs.device)
-    else:
-        e = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
-    # an Exp(1) draw can be exactly 0 (u = 0 in float32): clamp, so that a zero-probability token
-    # scores 0 (never NaN, which argmax would pick) and a positive one stays finite
-    score = probs.float() / e.clamp_min(torch.finfo(torch.float32).tiny)
-    return score.argmax(dim=-1)
 
 
 def _uniform(shape, device, generator: torch.Generator | None) -> torch.Tensor:

@@ -16,6 +16,7 @@ command can simply be run again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -496,12 +497,20 @@ def run_train(args: argparse.Namespace) -> int:
     from msakit.train.tokenizer import Tokenizer
     from msakit.train.trainer import Trainer, resolve_device
 
+    from msakit.distributed.args import is_main, rank0_first, setup_distributed, trainer_kwargs
+
     t0 = time.time()
     out = Path(args.out)
-    device = resolve_device(args.device)
+    parallel = setup_distributed(args)  # joins torchrun's group (if any); checks --cp / the batch
+    if parallel is not None and args.resume:
+        raise ValueError("--resume of a run on several processes is not supported by `msakit train` yet: "
+                         "resume it with msakit.distributed.checkpoint.load_sharded")
+    device = parallel.env.device if parallel is not None else resolve_device(args.device)
     if args.resume:
         return resume_run(args, device)
-    check_new_out(out)
+    main_rank = is_main(parallel)
+    if main_rank:
+        check_new_out(out)
     given = set(getattr(args, "given", ()))
     if args.init and given & {"preset", "config", "attention"}:
         raise ValueError("--init takes the model (and its architecture) from its folder: --preset, --config and "
@@ -526,8 +535,9 @@ def run_train(args: argparse.Namespace) -> int:
                             attention=args.attention)
         check_context(cfg0, opts["context"])
         check_fits(config_params(cfg0), device)
-    with new_run_dir(out):
-        pd = prepare(opts, tokenizer=tok, cache_dir=args.cache_dir)
+    with new_run_dir(out) if main_rank else contextlib.nullcontext():
+        with rank0_first(parallel):  # rank 0 trains the tokenizer / fills the cache first
+            pd = prepare(opts, tokenizer=tok, cache_dir=args.cache_dir)
         tok = pd.tokenizer
         if not args.init:
             mcfg = model_config(args.preset, args.config, tok.vocab_size, attention=args.attention)
@@ -539,11 +549,13 @@ def run_train(args: argparse.Namespace) -> int:
         meta = {"kind": "train", "data": opts, "preset": args.preset, "config": args.config, "init": args.init,
                 "long_files": [f.name for f in pd.corpus.long]}
         trainer = Trainer(model, cfg, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
-                          progress=not args.no_progress, meta=meta)
-        tok.save(out)
-        _print_model_line(trainer)
+                          progress=not args.no_progress, meta=meta, **trainer_kwargs(args, parallel))
+        if main_rank:
+            tok.save(out)
+            _print_model_line(trainer)
         trainer.fit()
-    print(summary_line(trainer, t0))
+    if main_rank:
+        print(summary_line(trainer, t0))
     return 0
 
 

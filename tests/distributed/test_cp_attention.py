@@ -58,6 +58,7 @@ def _check_case(rank: int, world: int, case, seed: int) -> None:
     o, kl, bi = cp.attend(*loc, SEL, mode=mode, compute_kl=index, need_block_idx=index)
     loss = (o * w_loc).sum() + (full[6] * kl if kl is not None else 0)
     loss.backward()
+    moved = (cp.stats.all_gather, cp.stats.reduce_scatter)  # before the checks' own gathers
     Hq = o.shape[2]
     if index:
         sel = cp.unshard(bi, dim=2)
@@ -74,6 +75,12 @@ def _check_case(rank: int, world: int, case, seed: int) -> None:
         scale = max(1.0, float(g.abs().max()))
         torch.testing.assert_close(cp.unshard(t.grad), g, atol=atol * scale * Hq, rtol=1e-4,
                                    msg=lambda m: f"grad {name} in {case}: {m}")
+    # the bytes moved are those of the volume formula (float32 here): gather, re-gather, reduce-scatter
+    G, D = full[1].shape[2], full[1].shape[3]
+    vol = comm_bytes_per_layer(B * cp.layout.padded_len, world, groups=G, head_dim=D,
+                               index_dim=full[3].shape[-1] if index else None, kv_bytes=4, index_bytes=4)
+    assert moved == (vol["forward_all_gather"] + vol["backward_all_gather"], vol["backward_reduce_scatter"]), \
+        (moved, vol)
     # padding rows: zero output, -1 selections, zero gradients
     pad = cp.layout.positions() >= T
     if pad.any():

@@ -1,5 +1,6 @@
 """The Trainer on 2 gloo ranks with FSDP2 trains exactly like one process (same losses, KL and
-gradient norms step by step), logs on rank 0 only, and resumes from its sharded checkpoint."""
+gradient norms step by step), logs on rank 0 only, and resumes from its sharded checkpoint; the
+same with context parallelism (cp = 2) and activation checkpointing."""
 
 from __future__ import annotations
 
@@ -55,6 +56,14 @@ def trainer_fsdp_two_ranks(rank: int, world: int, shared) -> None:
     assert again.step == 2
     (rec,) = again.fit()
     close_scalar(rec["loss"], ref[2]["loss"], "resumed step 3 loss", rel=1e-5)
+    # context parallel (cp = 2: each row's sequence over both ranks) with activation checkpointing
+    cp = make_parallel(init_distributed("cpu"), cp=2, batch_size=4)
+    tr = Trainer(make_model(V), _cfg(), rows, None, out_dir=shared / "run-cp", progress=False, parallel=cp,
+                 fsdp=True, activation_checkpointing=True)
+    for a, b in zip(tr.fit(), ref):
+        for key in ("loss", "kl", "grad_norm"):
+            close_scalar(a[key], b[key], f"cp step {b['step']} {key}", rel=1e-5)
+        assert a["cp_comm_bytes"] > 0
 
 
 def test_trainer_fsdp_two_ranks():

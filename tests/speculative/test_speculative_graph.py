@@ -12,7 +12,7 @@ import torch
 
 from msakit.generate import generate
 from msakit.speculative import DSparkConfig, DSparkDrafter, autoregressive_generate, speculative_generate
-from msakit.speculative.generate import (SpecCache, _StaticRounds, draft_context_update, draft_hidden, target_forward,
+from msakit.speculative.generate import (SpecCache, StaticRounds, draft_context_update, draft_hidden, target_forward,
                                   target_step)
 
 from spec_helpers import bigram_pair
@@ -71,7 +71,7 @@ def test_static_step_equals_length_sliced_path(mode: str) -> None:
                 torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
     # the round object (eager on CPU) runs the same thing from its static buffers
     c = _clone(_prefilled(t, d))
-    r = _StaticRounds(t, d, c, taps, 3, True, None)
+    r = StaticRounds(t, d, c, taps, 3, True, None)
     (h2,) = r.draft(toks[:, 0])
     torch.testing.assert_close(h2, h_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r.verify_forward(toks[:, 1:]), ref, rtol=1e-5, atol=1e-5)
@@ -218,8 +218,8 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
     taps = d.config.target_layer_ids
     toks = torch.randint(0, 64, (3, 4), generator=torch.Generator().manual_seed(1)).cuda()
     for greedy_kw in (None, dict(temperature=0, top_k=None, top_p=None, num_drafts=3, want_confidence=True)):
-        eager = _StaticRounds(t, d, _clone(_prefilled(t, d, device="cuda")), taps, 3, False, greedy_kw)
-        graph = _StaticRounds(t, d, _clone(_prefilled(t, d, device="cuda")), taps, 3, True, greedy_kw)
+        eager = StaticRounds(t, d, _clone(_prefilled(t, d, device="cuda")), taps, 3, False, greedy_kw)
+        graph = StaticRounds(t, d, _clone(_prefilled(t, d, device="cuda")), taps, 3, True, greedy_kw)
         for _ in range(3):  # capture, then replays (the step rewrites the same keys)
             de, dg = eager.draft(toks[:, 0]), graph.draft(toks[:, 0])
             for x, y in zip(de, dg):
