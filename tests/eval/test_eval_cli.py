@@ -38,12 +38,6 @@ def _docs(tmp_path):
     return str(d)
 
 
-def _has_hook() -> bool:
-    from msakit.models.convert import MSAWrappedModel
-
-    return hasattr(MSAWrappedModel, "set_selection_policy")
-
-
 def _argv(hf_dir, tmp_path, out, policies, tasks="loss,passkey", budget="block32-top4"):
     return ["eval", "--model", str(hf_dir), "--tasks", tasks, "--lengths", "512", "--depths", "0.5",
             "--policies", policies, "--budget", budget, "--samples", "1", "--docs", _docs(tmp_path),
@@ -67,7 +61,6 @@ def test_eval_hf_folder(hf_dir, tmp_path, capsys):
     assert main(argv + ["--resume"]) == 0
 
 
-@pytest.mark.skipif(not _has_hook(), reason="MSAWrappedModel.set_selection_policy (the policy hook) is not there yet")
 def test_eval_hf_folder_policies(hf_dir, tmp_path, capsys):
     out = tmp_path / "ev"
     assert main(_argv(hf_dir, tmp_path, out, "dense,window,window0,oracle,msa")) == 0

@@ -65,3 +65,22 @@ class _Remap:
 
     def __call__(self, text: str) -> list[int]:
         return [i % self.vocab for i in self.tok.encode(text, add_special_tokens=False).ids]
+
+
+@pytest.mark.parametrize("name", ["window", "window0", "oracle"])
+def test_same_logits_as_converted_model_hook(hf, name):
+    """A policy gives the same logits on HFPolicyModel as on the converted model's own hook."""
+    import copy
+
+    from msakit.models.convert import convert_dense_to_msa
+
+    ids = torch.randint(0, 97, (1, 90), generator=torch.Generator().manual_seed(3))
+    fn = make_policy(name, Budget(16, 3))
+    a = HFPolicyModel(copy.deepcopy(hf), block_size=16, topk=3)
+    b = convert_dense_to_msa(copy.deepcopy(hf), block_size=16, topk_blocks=3)
+    for m in (a, b):
+        m.set_attention_mode("sparse")
+        m.set_selection_policy(fn)
+    with torch.no_grad():
+        la, lb = model_logits(a, ids), model_logits(b, ids)
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
