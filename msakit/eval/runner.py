@@ -32,7 +32,7 @@ import torch
 from msakit.eval.documents import long_documents
 from msakit.eval.policies import POLICY_NAMES, Budget, make_policy
 from msakit.eval.scoring import answer_scores, bucket_edges, bucket_sums, model_logits, token_nll
-from msakit.eval.tasks import RETRIEVAL_TASKS, TokenPieces, encoder, make_sample
+from msakit.eval.tasks import RETRIEVAL_TASKS, TASK_VERSION, TokenPieces, encoder, make_sample
 
 __all__ = ["EvalConfig", "TASKS", "check_model", "configure_model", "parse_policy", "read_records", "run_eval"]
 
@@ -99,7 +99,7 @@ class EvalConfig:
     def identity(self) -> dict[str, Any]:
         """The settings that decide the samples and their scores (fixed for one output folder)."""
         return dict(seed=self.seed, budget=str(self.budget), documents=self.documents,
-                    num_needles=self.num_needles, hops=self.hops)
+                    num_needles=self.num_needles, hops=self.hops, task_version=TASK_VERSION)
 
 
 def record_key(policy: str, task: str, length: int, depth: float | None, index: int) -> str:

@@ -12,10 +12,12 @@ question starts on a new line.
   -> " 71432".
 - ``niah``: multi-key needle in a haystack: ``num_needles`` needles "One of the special magic
   numbers for {key} is: {7 digits}." with distinct two-word keys; the question asks for one key's
-  number (the target needle sits at the requested depth, the others at seeded random places).
+  number (the target needle sits at the requested depth, the others at seeded random places) and
+  ends in "is:", as the needle does, so the answer " {7 digits}" follows in the needle's format.
 - ``vt``: variable tracking: "VAR AAAAA = 12345." then ``hops`` assignments "VAR BBBBB = VAR
   AAAAA." spread from the requested depth to the end; the answer lists every variable holding
-  the value, in the order they were assigned.
+  the value, in the order they were assigned, space-separated: the instruction holds one short
+  worked example in that format (RULER's one-shot example), which teacher-forced scoring needs.
 
 Depth is the needle's place in the haystack: it starts at the paragraph boundary nearest to
 ``depth * haystack_tokens`` (0 = first, 1 = just before the question).
@@ -32,7 +34,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["RETRIEVAL_TASKS", "Sample", "TokenPieces", "encoder", "make_sample", "make_samples", "sample_rng"]
+__all__ = ["RETRIEVAL_TASKS", "TASK_VERSION", "Sample", "TokenPieces", "encoder", "make_sample", "make_samples", "sample_rng"]
 
 RETRIEVAL_TASKS = ("passkey", "niah", "vt")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -40,7 +42,13 @@ PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant t
                  "I will quiz you about the important information there.\n")
 NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
               "I will quiz you about the numbers afterwards.\n")
-VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
+VT_INTRO = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
+            "Example:\nVAR QPWOE = 83421.\nThe grass is green. The sky is blue.\nVAR ZMXNC = VAR QPWOE.\n"
+            "VAR RTYUI = VAR ZMXNC.\nQuestion: Find all variables that are assigned the value 83421 in the text "
+            "above.\nAnswer: According to the chain(s) of variable assignment in the text above, 3 variables are "
+            "assigned the value 83421, they are: QPWOE ZMXNC RTYUI\n\nText:\n")
+_VT_EXAMPLE_NAMES = ("QPWOE", "ZMXNC", "RTYUI")
+TASK_VERSION = 2  # bumped whenever a generated sample changes (an output folder keeps one version)
 _ADJ = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen", "lively",
         "misty", "noble", "odd", "proud", "quiet", "rapid", "silent", "tidy", "urban", "vivid", "wild", "young")
 _NOUN = ("anchor", "badger", "candle", "dragon", "engine", "falcon", "garden", "harbor", "island", "jacket",
@@ -180,7 +188,7 @@ def _var_names(rng: random.Random, n: int) -> list[str]:
     names: list[str] = []
     while len(names) < n:
         v = "".join(rng.choice(_UPPER) for _ in range(5))
-        if v not in names:
+        if v not in names and v not in _VT_EXAMPLE_NAMES:
             names.append(v)
     return names
 
@@ -220,7 +228,7 @@ def make_sample(tokenizer: Any, task: str, length: int, depth: float, index: int
         depths = [depth] + [rng.random() for _ in keys[1:]]
         needles = [(d, f"One of the special magic numbers for {k} is: {v}.\n") for d, k, v in zip(depths, keys, values)]
         q = (f"\nWhat is the special magic number for {keys[0]} mentioned in the provided text?\n"
-             f"The special magic number for {keys[0]} mentioned in the provided text is")
+             f"The special magic number for {keys[0]} mentioned in the provided text is:")
         ids, a0, starts, hay = _assemble(pieces, length, NIAH_INTRO, needles, q, f" {values[0]}")
         return Sample(task, length, depth, index, ids, a0, f" {values[0]}", starts[0], hay,
                       {"key": keys[0], "value": values[0], "distractors": dict(zip(keys[1:], values[1:]))})

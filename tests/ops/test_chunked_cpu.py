@@ -44,8 +44,8 @@ def qkv(B, T, Hq, G, D, dtype, seed):
 def attn_fwd_bwd(fn, q, k, v, seed):
     o, lse = fn(q, k, v)
     g = torch.Generator().manual_seed(seed)
-    go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
-    gl = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.dtype)
+    go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device, o.dtype)
+    gl = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.device, lse.dtype)
     fin = torch.isfinite(lse)
     loss = (o.float() * go.float()).sum() + (torch.where(fin, lse, torch.zeros_like(lse)) * gl).sum()
     grads = torch.autograd.grad(loss, (q, k, v))
