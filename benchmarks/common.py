@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -154,6 +155,14 @@ def dense_cudnn(q, k, v, *, backward: bool = False):
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def add_run_args(ap: "argparse.ArgumentParser", quick_help: str) -> None:
+    """The options every claim script takes: --quick (a smoke run, `quick_help` says which), --tag (a
+    suffix of the result names) and --out (where the outputs are also copied; default $OUT)."""
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--tag", default="", help="suffix of the result names")
+    ap.add_argument("--out", default=None, help="also copy the outputs here (default $OUT)")
 
 
 def out_dir(explicit: str | None = None) -> Path | None:

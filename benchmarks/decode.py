@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS, copy_out, env_info, gpu_tag, save_json  # noqa: E402
+from benchmarks.common import RESULTS, add_run_args, copy_out, env_info, gpu_tag, save_json  # noqa: E402
 from tools.bench import decode as bench  # noqa: E402
 
 
@@ -84,9 +84,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the graph == eager / reference check")
     ap.add_argument("--tune", action="store_true", help="sweep the scoring launch at 1M first and use the best")
     ap.add_argument("--read-flush", action="store_true", help="also time cold calls after a read-only flush (B = 1)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: B 1, N 16K and 1M, no check")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=None, help="also copy the outputs here (default $OUT)")
+    add_run_args(ap, "smoke run: B 1, N 16K and 1M, no check")
     args = ap.parse_args(argv)
     if args.quick:
         args.B, args.N, args.no_check = [1], [16384, 1048576], True

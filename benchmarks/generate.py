@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import env_info, gpu_tag, print_rows, save_json, wall_s  # noqa: E402
+from benchmarks.common import add_run_args, env_info, gpu_tag, print_rows, save_json, wall_s  # noqa: E402
 
 # (kind, regex on the kernel name), first match wins
 KERNEL_KINDS: tuple[tuple[str, str], ...] = (
@@ -173,9 +173,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="also time the eager step (cuda_graph=False)")
     ap.add_argument("--profile", action="store_true", help="kernel count and time by kind of one decode step")
-    ap.add_argument("--quick", action="store_true", help="smoke run: contexts 1024 and 32768, 32 new tokens")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=None, help="also copy the JSON here (default $OUT)")
+    add_run_args(ap, "smoke run: contexts 1024 and 32768, 32 new tokens")
     args = ap.parse_args(argv)
     if args.contexts is None:
         args.contexts = [4096, 32768, 131072] if args.profile else [1024, 32768, 131072]

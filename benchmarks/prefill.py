@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS, bench_ms, copy_out, dense_cudnn, env_info, gpu_tag, save_json  # noqa: E402
+from benchmarks.common import (RESULTS, add_run_args, bench_ms, copy_out, dense_cudnn, env_info, gpu_tag,  # noqa: E402
+                               save_json)
 from benchmarks.selections import load_block_idx, selection_stats, trained_like_block_idx  # noqa: E402
 from msakit import ops  # noqa: E402
 
@@ -270,7 +271,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--selection-file", default=None,
                     help="a dumped selection (torch / safetensors block_idx [1, G, T, 16]): adds the kind 'dumped' "
                          "at its own T")
-    ap.add_argument("--quick", action="store_true", help=f"smoke run: forward {QUICK['T']}, training {QUICK['train_T']}")
     ap.add_argument("--check", type=int, nargs="*", default=None, metavar="T",
                     help="contexts with the reference row-error check (default: the smallest forward T)")
     ap.add_argument("--dense-train-max-T", type=int, default=262144,
@@ -278,8 +278,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-s", type=float, default=4.0, help="seconds per timed quantity (fewer repetitions beyond)")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables instead of the table")
     ap.add_argument("--once", action="store_true", help="warm up, then one forward (for ncu)")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=None, help="also copy the outputs here (default $OUT)")
+    add_run_args(ap, f"smoke run: forward {QUICK['T']}, training {QUICK['train_T']}")
     args = ap.parse_args(argv)
     if args.quick:
         args.T, args.train_T = QUICK["T"], QUICK["train_T"]

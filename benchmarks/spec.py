@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import env_info, gpu_tag, save_json  # noqa: E402
+from benchmarks.common import add_run_args, env_info, gpu_tag, save_json  # noqa: E402
 from msakit.models import M3Config, M3ForCausalLM  # noqa: E402
 import msakit.speculative as speculative  # noqa: E402
 from msakit.speculative import DSparkConfig, DSparkDrafter, speculative_generate  # noqa: E402
@@ -441,9 +441,7 @@ def main(argv=None) -> None:
     ap.add_argument("--speed-reps", type=int, default=None, help="prompt batches per speed row (B 1: 8, B 8: 2)")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default=None,
                     help="step-matched training of a reference run (explicit flags win); 'quick' = smoke run")
-    ap.add_argument("--quick", action="store_true", help="= --recipe quick")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=None, help="also copy the JSON here (default $OUT)")
+    add_run_args(ap, "= --recipe quick")
     args = ap.parse_args(argv)
     apply_recipe(args, ap)
     p = dict(PRESETS["tiny" if args.tiny else "gpu"])

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import env_info, gpu_tag, print_rows, save_json, wall_s  # noqa: E402
+from benchmarks.common import add_run_args, env_info, gpu_tag, print_rows, save_json, wall_s  # noqa: E402
 
 H200_BF16_TFLOPS = 989.0
 
@@ -131,9 +131,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dense-backend", default="cudnn", choices=("cudnn", "flash", "default"))
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="smoke run: context 8192, 3 timed steps")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=None, help="also copy the JSON here (default $OUT)")
+    add_run_args(ap, "smoke run: context 8192, 3 timed steps")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.steps, args.warmup = [8192], 3, 2

@@ -656,21 +656,17 @@ def generate(
 
 
 @torch.no_grad()
-def generate_uncached(
-    model: Any,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    streamer: Callable[[torch.Tensor], Any] | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    return_logits: bool = False,
-):
+def generate_uncached(model: Any, input_ids: torch.Tensor, max_new_tokens: int, **sampling: Any):
     """The same loop recomputing the whole sequence each step (any model whose forward(input_ids,
-    compute_kl=False) returns .logits); the reference the cached path is tested against."""
+    compute_kl=False) returns .logits); the reference the cached path is tested against.
+    `sampling`: generate's keyword arguments temperature, top_k, top_p, generator, streamer,
+    eos_token_id and return_logits (same defaults)."""
+    allowed = ("temperature", "top_k", "top_p", "generator", "streamer", "eos_token_id", "return_logits")
+    unknown = sorted(set(sampling) - set(allowed))
+    if unknown:
+        raise ValueError(f"generate_uncached takes {', '.join(allowed)}; got {', '.join(unknown)}")
+    opts = dict(temperature=1.0, top_k=None, top_p=None, generator=None, streamer=None, eos_token_id=None,
+                return_logits=False) | sampling
     def make_step() -> Callable[[torch.Tensor | None], torch.Tensor]:
         seq = [input_ids]
 
@@ -682,5 +678,4 @@ def generate_uncached(
 
         return step
 
-    return _run_eval(model, make_step, input_ids, max_new_tokens, temperature, top_k, top_p, generator, streamer,
-                     eos_token_id, return_logits)
+    return _run_eval(model, make_step, input_ids, max_new_tokens, *(opts[k] for k in allowed))

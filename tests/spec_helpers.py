@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from msakit.models import M3Config, M3ForCausalLM
 from msakit.speculative import DSparkConfig, DSparkDrafter
+
+from toy_model import small_target
 
 
 def bigram_pair(mode: str = "sparse", *, head_scale: float = 20.0, layer_scale: float = 0.5, vocab: int = 64,
@@ -16,24 +17,14 @@ def bigram_pair(mode: str = "sparse", *, head_scale: float = 20.0, layer_scale: 
     and a drafter whose base logits are zero (final_norm scale 0) and whose Markov head is that
     bigram exactly (rank = vocab, W1 = I): it drafts well but not perfectly, so rounds see both
     acceptances and rejections."""
-    cfg = M3Config.preset(
-        "tiny", vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, index_head_dim=16, rotary_dim=8, dense_intermediate_size=64, intermediate_size=32,
-        shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, index_block_size=block,
-        index_topk_blocks=2, sparse_attention_freq=[0, 1],
-    )
-    torch.manual_seed(0)
-    t = M3ForCausalLM(cfg, mode=mode)
+    t = small_target(vocab, 0, mode, index_block_size=block)
     with torch.no_grad():
         for n, p in t.named_parameters():
-            if p.dim() == 1 and p.requires_grad:
-                p.normal_(0, 0.3)
             if n.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
                 p.mul_(layer_scale)
         t.lm_head.weight.mul_(head_scale)
-    t.eval()
     torch.manual_seed(1)
-    d = DSparkDrafter(DSparkConfig.for_target(cfg, "tiny", markov_rank=vocab)).bind(t)
+    d = DSparkDrafter(DSparkConfig.for_target(t.config, "tiny", markov_rank=vocab)).bind(t)
     with torch.no_grad():
         d.final_norm.weight.fill_(-1.0)  # (1 + w) = 0: zero base logits
         d.markov_head.markov_w1.weight.copy_(torch.eye(vocab))

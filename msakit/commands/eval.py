@@ -1,5 +1,12 @@
-"""`msakit eval`: long-context evaluation (loss by position, passkey, needles, variable tracking)
-of a model under selection policies (msakit.eval)."""
+"""`msakit eval`: long-context evaluation: loss by position and retrieval under selection policies
+
+Evaluate a model folder (msakit checkpoint, converted MSA model, or HF Llama/Qwen2 folder) on loss by position
+over long documents and on generated retrieval tasks (passkey, multi-key needle, variable tracking), exact
+match by teacher forcing, under selection policies: dense, last<N> (dense on the last N tokens), window,
+window0 (window plus block 0), oracle, msa.  On an HF folder, window / oracle policies run on its own
+attention; with msa it gets an untrained index branch at the budget's block size.  Writes results.jsonl
+(resumable), summary.json, table.md and plot.png.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from msakit.commands import command_parser
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "eval", help="long-context evaluation: loss by position and retrieval under selection policies",
-        description="Evaluate a model folder (msakit checkpoint, converted MSA model, or HF Llama/Qwen2 folder) on "
-                    "loss by position over long documents and on generated retrieval tasks (passkey, multi-key "
-                    "needle, variable tracking), exact match by teacher forcing, under selection policies: dense, "
-                    "last<N> (dense on the last N tokens), window, window0 (window plus block 0), oracle, msa.  "
-                    "On an HF folder, window / oracle policies run on its own attention; with msa it gets an "
-                    "untrained index branch at the budget's block size.  Writes results.jsonl (resumable), summary.json, table.md and plot.png.")
+    p = command_parser(subparsers, __doc__)
     p.add_argument("--model", required=True, metavar="DIR", help="model folder")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: the model folder's)")
     p.add_argument("--tasks", default="loss,passkey,niah,vt", metavar="LIST", help="comma list of loss, passkey, niah, vt")

@@ -1,21 +1,23 @@
-"""`msakit generate`: sample text from a trained checkpoint, streamed to stdout."""
+"""`msakit generate`: sample from a checkpoint (streams to stdout); --drafter: speculative decoding
+
+Load a checkpoint (run folder, checkpoint or model folder) and the tokenizer saved beside it, then sample a
+continuation of the prompt, streaming it to stdout.  With --drafter (a `msakit train-drafter` run or drafter
+folder) the tokens come from DSpark speculative decoding (the same distribution as plain sampling) and the
+accepted length is printed to stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from msakit.commands import command_parser
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from msakit.train.run import NONNEG_INT, POS_INT, SEED, Number, add_device_arg
 
-    p = subparsers.add_parser(
-        "generate", help="sample from a checkpoint (streams to stdout); --drafter: speculative decoding",
-        description="Load a checkpoint (run folder, checkpoint or model folder) and the tokenizer saved beside it, "
-                    "then sample a continuation of the prompt, streaming it to stdout.  With --drafter (a "
-                    "`msakit train-drafter` run or drafter folder) the tokens come from DSpark speculative "
-                    "decoding (the same distribution as plain sampling) and the accepted length is printed to "
-                    "stderr.")
+    p = command_parser(subparsers, __doc__)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run folder (its latest checkpoint), checkpoint or model folder")
     p.add_argument("--prompt", default=None, help="prompt text (default: start a new document)")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from a file")

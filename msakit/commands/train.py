@@ -1,20 +1,23 @@
-"""`msakit train`: train an M3 model (MSA + MoE) on the standard-library corpus and/or your files."""
+"""`msakit train`: train an M3 model (full-attention warm-up, then sparse attention)
+
+Train an M3-style model: AdamW with warm-up + cosine, LM loss + lambda * indexer KL, full attention for
+--warmup-steps (the indexer learns meanwhile), then MSA sparse attention. Logs metrics.jsonl and plots; writes
+atomic, hashed checkpoints under OUT/checkpoints.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from msakit.commands import command_parser
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from msakit.distributed.args import add_distributed_args
     from msakit.train.run import POS_INT, add_data_args, add_optim_args
 
-    p = subparsers.add_parser(
-        "train", help="train an M3 model (full-attention warm-up, then sparse attention)",
-        description="Train an M3-style model: AdamW with warm-up + cosine, LM loss + lambda * indexer KL, "
-                    "full attention for --warmup-steps (the indexer learns meanwhile), then MSA sparse attention. "
-                    "Logs metrics.jsonl and plots; writes atomic, hashed checkpoints under OUT/checkpoints.")
+    p = command_parser(subparsers, __doc__)
     p.add_argument("--out", default="runs/train", metavar="DIR", help="run folder (default runs/train)")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
                    help="continue the run in --out (or from CKPT) with the same data order and settings; only "

@@ -1,4 +1,10 @@
-"""`msakit train-drafter`: train a DSpark drafter for a trained M3 target (the target frozen)."""
+"""`msakit train-drafter`: train a DSpark drafter (speculative decoding) for a trained target
+
+Train a DSpark drafter against a frozen target: the target's tap-layer states are captured on the fly (no disk
+cache), several anchored blocks per row, loss 0.1 CE + 0.9 TV + 1.0 BCE (confidence) with position weights
+exp(-k/4). Logs metrics.jsonl, writes atomic checkpoints under OUT/checkpoints (each a drafter folder:
+config.json + model.safetensors).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from msakit.commands import command_parser
+
 DEFAULT_STEPS = 1000
 RESUME_OPTIONS = frozenset({"out", "resume", "steps", "time_budget", "tokenizer", "device", "no_progress", "cache_dir"})
 
@@ -15,12 +23,7 @@ RESUME_OPTIONS = frozenset({"out", "resume", "steps", "time_budget", "tokenizer"
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from msakit.train.run import NONNEG_INT, POS_FLOAT, POS_INT, SEED, Number, add_data_args, add_device_arg
 
-    p = subparsers.add_parser(
-        "train-drafter", help="train a DSpark drafter (speculative decoding) for a trained target",
-        description="Train a DSpark drafter against a frozen target: the target's tap-layer states are captured on "
-                    "the fly (no disk cache), several anchored blocks per row, loss 0.1 CE + 0.9 TV + 1.0 BCE "
-                    "(confidence) with position weights exp(-k/4). Logs metrics.jsonl, writes atomic checkpoints "
-                    "under OUT/checkpoints (each a drafter folder: config.json + model.safetensors).")
+    p = command_parser(subparsers, __doc__)
     p.add_argument("target", metavar="TARGET", help="the target: run folder (latest checkpoint), checkpoint or model folder")
     p.add_argument("--out", default="runs/drafter", metavar="DIR", help="run folder (default runs/drafter)")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from msakit import ops
+from msakit.models.convert import register_hf_attention
 
 __all__ = ["ATTN_IMPL", "HFPolicyModel", "PolicySelection"]
 
 ATTN_IMPL = "msakit_eval_policy"
-_registered = False
 
 
 @dataclass
@@ -62,15 +62,6 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     return o, None
 
 
-def _register() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTN_IMPL, _attention)
-        _registered = True
-
-
 class HFPolicyModel(nn.Module):
     """`forward(input_ids) -> HF output (.logits [B, T, V])` with `set_attention_mode` and
     `set_selection_policy(fn)`, ``fn(layer_idx, q, k, None, None, sel) -> block_idx``."""
@@ -83,7 +74,7 @@ class HFPolicyModel(nn.Module):
         layers = getattr(getattr(hf_model, "model", None), "layers", None)
         if layers is None or not hasattr(hf_model, "set_attn_implementation"):
             raise ValueError(f"hf_model must be a transformers causal LM with model.layers, got {type(hf_model).__name__}")
-        _register()
+        register_hf_attention(ATTN_IMPL, _attention)
         self.hf = hf_model
         self._state = _State(PolicySelection(block_size, topk, local_blocks, init_blocks))
         for layer in layers:

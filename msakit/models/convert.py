@@ -48,6 +48,7 @@ __all__ = [
     "MSAWrappedModel",
     "convert_dense_to_msa",
     "load_for_conversion",
+    "register_hf_attention",
 ]
 
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -311,16 +312,17 @@ def _msa_attention_interface(module, query, key, value, attention_mask, dropout=
     return o, None
 
 
-_registered = False
+_registered: set[str] = set()
 
 
-def _register_interface() -> None:
-    global _registered
-    if not _registered:
+def register_hf_attention(name: str, fn: Callable[..., Any]) -> None:
+    """Registers `fn` as the transformers attention implementation `name` (`attn_implementation`),
+    once per name: `fn(module, query, key, value, attention_mask, **kwargs) -> (out, weights)`."""
+    if name not in _registered:
         from transformers import AttentionInterface
 
-        AttentionInterface.register(ATTN_IMPL, _msa_attention_interface)
-        _registered = True
+        AttentionInterface.register(name, fn)
+        _registered.add(name)
 
 
 class MSAWrappedModel(nn.Module):
@@ -328,7 +330,7 @@ class MSAWrappedModel(nn.Module):
 
     def __init__(self, hf_model: nn.Module, settings: MSASettings, *, seed: int | None = 0) -> None:
         super().__init__()
-        _register_interface()
+        register_hf_attention(ATTN_IMPL, _msa_attention_interface)
         cfg = hf_model.config
         if cfg.model_type not in HF_MODEL_TYPES:
             raise ValueError(f"HF model_type {cfg.model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})")

@@ -392,28 +392,14 @@ class M3ForCausalLM(nn.Module):
         return load_pretrained(cls, path, device=device, dtype=dtype, mode=mode)
 
     # -- generation --------------------------------------------------------------------------
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-        streamer: Callable[[torch.Tensor], Any] | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        cache: str = "auto",
-        cuda_graph: bool | None = None,
-    ) -> torch.Tensor:
-        """Sample `max_new_tokens` after input_ids [B, T] with a KV cache -> [B, T + n].  cache:
-        "auto" (paged + msa_decode on CUDA when supported, else contiguous), "contiguous" or
-        "paged"; cuda_graph: None (auto: the paged decode step as a CUDA graph on CUDA), True or
-        False (see `msakit.generate.generate`)."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+        """Sample `max_new_tokens` after input_ids [B, T] with a KV cache -> [B, T + n]:
+        `msakit.generate.generate(self, input_ids, max_new_tokens, **kwargs)`, whose keyword
+        arguments (temperature, top_k, top_p, generator, streamer, eos_token_id, cache, cuda_graph,
+        ...) it takes.  cache "auto": paged + msa_decode on CUDA when supported, else contiguous."""
         from msakit.generate import generate
 
-        return generate(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        generator=generator, streamer=streamer, eos_token_id=eos_token_id, cache=cache,
-                        cuda_graph=cuda_graph)
+        return generate(self, input_ids, max_new_tokens, **kwargs)
 
     def parameter_counts(self) -> dict[str, int]:
         return parameter_counts(self)

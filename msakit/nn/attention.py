@@ -139,7 +139,23 @@ def selection_info(sel: MSAConfig, segments: Sequence[tuple[int, int]] | None) -
     return info
 
 
-class MSAAttention(nn.Module):
+class GQAProjections(nn.Module):
+    """The projections of a GQA attention layer (HF names): q_proj [H -> Hq * D], k_proj and
+    v_proj [H -> G * D], o_proj [Hq * D -> H], and the per-head q_norm / k_norm (RMSNorm over D).
+    Attention layers that keep these names subclass it."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        H, Hq, G, D = hidden_size, num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(H, Hq * D, bias=False)
+        self.k_proj = nn.Linear(H, G * D, bias=False)
+        self.v_proj = nn.Linear(H, G * D, bias=False)
+        self.o_proj = nn.Linear(Hq * D, H, bias=False)
+        self.q_norm = GemmaRMSNorm(D, eps)
+        self.k_norm = GemmaRMSNorm(D, eps)
+
+
+class MSAAttention(GQAProjections):
     """MSA attention layer: project, attend (no cache: the whole sequence; with a cache: the new
     positions over what the cache holds), o_proj.  `forward(hidden [B,T,H], positions, cache=None)
     -> (out [B,T,H], kl scalar or None, attention inputs or None)`.
@@ -154,7 +170,7 @@ class MSAAttention(nn.Module):
     """
 
     def __init__(self, cfg: MSAConfig, mode: str = "sparse", *, index_branch: bool = True, layer_idx: int = 0) -> None:
-        super().__init__()
+        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         self.cfg = cfg
         self.layer_idx = int(layer_idx)  # this layer's slot in a cache shared by all layers
         # full-sequence attention hook: None (`msa_attend`) or an object whose `attend` takes
@@ -165,15 +181,9 @@ class MSAAttention(nn.Module):
         self.selection_policy: Callable[..., torch.Tensor] | None = None
         self.index_branch = bool(index_branch)
         self.mode = mode if self.index_branch else "dense"
-        H, Hq, G, D, Di = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_dim
-        self.q_proj = nn.Linear(H, Hq * D, bias=False)
-        self.k_proj = nn.Linear(H, G * D, bias=False)
-        self.v_proj = nn.Linear(H, G * D, bias=False)
-        self.o_proj = nn.Linear(Hq * D, H, bias=False)
-        self.q_norm = GemmaRMSNorm(D, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(D, cfg.rms_norm_eps)
         if not self.index_branch:
             return
+        H, G, Di = cfg.hidden_size, cfg.num_kv_heads, cfg.index_dim
         self.index_q_proj = nn.Linear(H, G * Di, bias=False)
         self.index_k_proj = nn.Linear(H, Di, bias=False)
         self.index_q_norm = GemmaRMSNorm(Di, cfg.rms_norm_eps)

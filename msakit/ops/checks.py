@@ -12,6 +12,8 @@ argument, before any kernel runs.  Layouts (see docs/msa.md):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -112,6 +114,29 @@ def check_block_idx(
                 f"(T={T}, block_size={block_size})"
             )
     return topk
+
+
+def check_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    block_idx: torch.Tensor,
+    block_size: int,
+    softmax_scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    check_values: bool = True,
+) -> tuple[int, int, int, int, int, float]:
+    """The checks of an attention over a block selection: q [B, T, Hq, D], k (and v) [B, T, G, D],
+    block_idx [B, G, T, topk], a positive block_size, softmax_scale (default 1/sqrt(D)) and the
+    optional cu_seqlens.  Returns (B, T, Hq, G, D, scale)."""
+    B, T, Hq, G, D = check_qkv(q, k, v)
+    check_positive_int("block_size", block_size)
+    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=check_values)
+    scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T, q.device)
+    return B, T, Hq, G, D, scale
 
 
 def check_scale(name: str, value: float | None, default: float) -> float:

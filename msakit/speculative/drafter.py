@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from msakit.nn.attention import GQAProjections
 from msakit.nn.mlp import SwiGLUMLP
 from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
@@ -47,19 +48,13 @@ RELEASED_PREFIX = "language_model.model.dspark."
 WEIGHTS_FILE = "model.safetensors"
 
 
-class DSparkAttention(nn.Module):
+class DSparkAttention(GQAProjections):
     """GQA attention whose keys / values are [context ; block] (HF names q/k/v/o_proj, q/k_norm)."""
 
     def __init__(self, cfg: DSparkConfig) -> None:
-        super().__init__()
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.rms_norm_eps)
         self.cfg = cfg
-        H, Hq, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(H, Hq * D, bias=False)
-        self.k_proj = nn.Linear(H, G * D, bias=False)
-        self.v_proj = nn.Linear(H, G * D, bias=False)
-        self.o_proj = nn.Linear(Hq * D, H, bias=False)
-        self.q_norm = GemmaRMSNorm(D, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(D, cfg.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.cfg

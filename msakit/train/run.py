@@ -491,24 +491,33 @@ def summary_line(trainer, t0: float) -> str:
 
 
 # ----------------------------------------------------------------------------- msakit train
+def start_processes(args: argparse.Namespace, command: str):
+    """(parallel or None, device, is this rank 0) of a train / convert run: joins torchrun's
+    process group when the environment names one and checks --cp and the batch against it.
+    Refuses --resume on several processes."""
+    from msakit.distributed.args import is_main, setup_distributed
+    from msakit.train.trainer import resolve_device
+
+    parallel = setup_distributed(args)
+    if parallel is not None and args.resume:
+        raise ValueError(f"--resume of a run on several processes is not supported by `msakit {command}` yet: "
+                         "resume it with msakit.distributed.checkpoint.load_sharded")
+    device = parallel.env.device if parallel is not None else resolve_device(args.device)
+    return parallel, device, is_main(parallel)
+
+
 def run_train(args: argparse.Namespace) -> int:
     import torch
 
+    from msakit.distributed.args import rank0_first, trainer_kwargs
     from msakit.train.tokenizer import Tokenizer
-    from msakit.train.trainer import Trainer, resolve_device
-
-    from msakit.distributed.args import is_main, rank0_first, setup_distributed, trainer_kwargs
+    from msakit.train.trainer import Trainer
 
     t0 = time.time()
     out = Path(args.out)
-    parallel = setup_distributed(args)  # joins torchrun's group (if any); checks --cp / the batch
-    if parallel is not None and args.resume:
-        raise ValueError("--resume of a run on several processes is not supported by `msakit train` yet: "
-                         "resume it with msakit.distributed.checkpoint.load_sharded")
-    device = parallel.env.device if parallel is not None else resolve_device(args.device)
+    parallel, device, main_rank = start_processes(args, "train")
     if args.resume:
         return resume_run(args, device)
-    main_rank = is_main(parallel)
     if main_rank:
         check_new_out(out)
     given = set(getattr(args, "given", ()))
@@ -693,18 +702,20 @@ def tokenizer_beside(path: Path):
 
 # ----------------------------------------------------------------------------- msakit convert
 def run_convert(args: argparse.Namespace) -> int:
+    from msakit.distributed.args import rank0_first, trainer_kwargs
     from msakit.models.convert import convert_dense_to_msa
     from msakit.train.tokenizer import Tokenizer
-    from msakit.train.trainer import Trainer, resolve_device
+    from msakit.train.trainer import Trainer
 
     t0 = time.time()
     out = Path(args.out)
-    device = resolve_device(args.device)
-    if args.resume:
+    parallel, device, main_rank = start_processes(args, "convert")
+    if args.resume:  # a conversion continues as a training run
         return resume_run(args, device)
     if args.source is None:
         raise ValueError("SOURCE is required (the dense model to convert), unless --resume continues a conversion")
-    check_new_out(out)
+    if main_rank:
+        check_new_out(out)
     folder = model_folder(Path(args.source))
     if folder_kind(folder) == "drafter":
         raise ValueError(f"{args.source} is a DSpark drafter, not a model to convert")
@@ -719,24 +730,27 @@ def run_convert(args: argparse.Namespace) -> int:
                                  topk_blocks=args.topk, seed=args.seed)
     check_context(model.config, opts["context"])
     check_vocab(model, tok)
-    with new_run_dir(out):
-        pd = prepare(opts, tokenizer=tok, cache_dir=args.cache_dir)
+    with new_run_dir(out) if main_rank else contextlib.nullcontext():
+        with rank0_first(parallel):  # rank 0 fills the data cache first
+            pd = prepare(opts, tokenizer=tok, cache_dir=args.cache_dir)
         meta = {"kind": "convert", "data": opts, "source": str(args.source),
                 "long_files": [f.name for f in pd.corpus.long]}
         trainer = Trainer(model, cfg, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
-                          progress=not args.no_progress, meta=meta)
-        tok.save(out)
+                          progress=not args.no_progress, meta=meta, **trainer_kwargs(args, parallel))
+        if main_rank:
+            tok.save(out)
         before_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
         before_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
-        print(f"converted {folder}: validation loss dense {before_d:.3f}, sparse with the untrained indexer "
+        say = print if main_rank else (lambda *a, **k: None)
+        say(f"converted {folder}: validation loss dense {before_d:.3f}, sparse with the untrained indexer "
               f"{before_s:.3f}; indexer warm-up (dense) for {cfg.dense_warmup_steps} steps, then sparse to step "
               f"{cfg.steps}")
         trainer.fit()
     after_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
     after_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
-    print(f"after conversion: validation loss dense {after_d:.3f}, sparse {after_s:.3f}")
-    print(summary_line(trainer, t0))
-    print(f"continue training: msakit convert --resume --out {out} --steps N (or msakit train --resume --out {out})")
+    say(f"after conversion: validation loss dense {after_d:.3f}, sparse {after_s:.3f}")
+    say(summary_line(trainer, t0))
+    say(f"continue training: msakit convert --resume --out {out} --steps N (or msakit train --resume --out {out})")
     return 0
 
 

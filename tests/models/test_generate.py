@@ -6,27 +6,15 @@ import pytest
 import torch
 
 from msakit.generate import KVCache, generate, generate_uncached, sample_next
-from msakit.models import M3Config, M3ForCausalLM
+from msakit.models import M3ForCausalLM
+
+from toy_model import small_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_for(mode: str, seed: int = 0) -> M3ForCausalLM:
-    # layer 0 dense GQA (SDPA bottom-right path), layer 1 MSA; blocks of 4, top-2: by position 20
-    # a query sees 6 blocks and attends 2 of them in sparse mode
-    cfg = M3Config.preset(
-        "tiny", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, index_head_dim=16, rotary_dim=8, dense_intermediate_size=64, intermediate_size=32,
-        shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, index_block_size=4,
-        index_topk_blocks=2, sparse_attention_freq=[0, 1],
-    )
-    torch.manual_seed(seed)
-    m = M3ForCausalLM(cfg, mode=mode)
-    with torch.no_grad():  # make the index branch and q/k norms non-trivial
-        for p in m.parameters():
-            if p.dim() == 1 and p.requires_grad:
-                p.normal_(0, 0.3)
-    return m.eval()
+    return small_target(128, seed, mode)
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dense"])

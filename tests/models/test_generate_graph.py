@@ -13,8 +13,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from msakit.generate import PagedDecoder, generate
-from msakit.models import M3Config, M3ForCausalLM
 from msakit.ops.dispatch import interpret_mode
+
+from toy_model import paged_model
 
 # these tests decode CPU models: msa_decode's Triton backend then runs under the interpreter only
 BACKENDS = ["reference"] + (["triton"] if interpret_mode() else [])
@@ -22,18 +23,6 @@ CUDA = torch.cuda.is_available()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def model_for(mode: str, seed: int = 0, device: str = "cpu", layers=(0, 1, 1)) -> M3ForCausalLM:
-    # pages (= blocks) of 16, top-2 blocks; layer 0 dense GQA, the others MSA; MoE in layers >= 1
-    cfg = M3Config.preset("tiny", vocab_size=256, num_hidden_layers=len(layers), index_block_size=16,
-                          index_topk_blocks=2, sparse_attention_freq=list(layers), num_local_experts=4)
-    torch.manual_seed(seed)
-    m = M3ForCausalLM(cfg, mode=mode)
-    with torch.no_grad():  # non-trivial norms (index branch included)
-        for p in m.parameters():
-            if p.dim() == 1 and p.requires_grad:
-                p.normal_(0, 0.3)
-    return m.to(device).eval()
 
 
 def run_pair(model, prompt, steps: int, nq: int, max_len: int, backend: str, kv_dtype=None):
@@ -57,7 +46,7 @@ def run_pair(model, prompt, steps: int, nq: int, max_len: int, backend: str, kv_
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 def test_static_step_equals_eager(mode: str, backend: str) -> None:
-    model = model_for(mode)
+    model = paged_model(mode)
     prompt = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     # 40 + 12 tokens cross the page boundary at 48; the static page table is 6 pages wide (max_len 90)
     n = 0
@@ -75,7 +64,7 @@ def test_static_step_equals_eager(mode: str, backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_static_step_several_queries_fp8(backend: str) -> None:
     """nq = 3 new tokens per step (speculative verification shape) on fp8 pools."""
-    model = model_for("sparse", seed=1)
+    model = paged_model("sparse", seed=1)
     prompt = torch.randint(0, 256, (2, 29), generator=torch.Generator().manual_seed(2))
     for _, _, _, le, ls in run_pair(model, prompt, 4, 3, 64, backend, kv_dtype=torch.float8_e4m3fn):
         assert torch.equal(le, ls), (le - ls).abs().max()
@@ -83,7 +72,7 @@ def test_static_step_several_queries_fp8(backend: str) -> None:
 
 def test_moe_counts_without_bincount() -> None:
     """MoE.forward counts experts with scatter-adds (bincount syncs on CUDA): same counts."""
-    moe = model_for("sparse").model.layers[1].block_sparse_moe
+    moe = paged_model("sparse").model.layers[1].block_sparse_moe
     x = torch.randn(3, 5, moe.hidden_size)
     _, idx = moe.route(x.reshape(-1, moe.hidden_size))
     _, load = moe(x)
@@ -125,7 +114,7 @@ def test_static_step_trace_is_length_independent(mode: str) -> None:
     backend = "triton" if interpret_mode() else "reference"
     if mode == "sparse" and backend == "reference":
         pytest.skip("msa_decode's capturable path is its Triton kernel (TRITON_INTERPRET=1 on CPU)")
-    model = model_for(mode)
+    model = paged_model(mode)
     prompt = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(3))
     traces = []
     dec = PagedDecoder(model, 1, 80, backend=backend)
@@ -144,7 +133,7 @@ def test_static_step_trace_is_length_independent(mode: str) -> None:
 
 
 def test_stage_refuses_past_max_len_and_unsupported_reasons() -> None:
-    model = model_for("sparse")
+    model = paged_model("sparse")
     prompt = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
     dec = PagedDecoder(model, 1, 32, backend="reference", num_pages=8)
     dec.prefill(prompt)
@@ -158,7 +147,7 @@ def test_stage_refuses_past_max_len_and_unsupported_reasons() -> None:
     assert "reference" in dec.graph_unsupported_reason()
     if BACKENDS[-1] == "triton":
         assert PagedDecoder(model, 1, 32, backend="triton").graph_unsupported_reason() is None
-    assert PagedDecoder(model_for("dense"), 1, 32, backend="reference").graph_unsupported_reason() is None
+    assert PagedDecoder(paged_model("dense"), 1, 32, backend="reference").graph_unsupported_reason() is None
 
     from msakit.nn.moe import MoE
 
@@ -166,7 +155,7 @@ def test_stage_refuses_past_max_len_and_unsupported_reasons() -> None:
         def forward(self, x):
             return super().forward(x)
 
-    dense = model_for("dense")
+    dense = paged_model("dense")
     dense.model.layers[1].block_sparse_moe.__class__ = MyMoE
     assert "MyMoE" in PagedDecoder(dense, 1, 32, backend="reference").graph_unsupported_reason()
 
@@ -202,7 +191,7 @@ def test_graph_step_flow_emulated(monkeypatch) -> None:
     max_len, and the logits of the eager decoder throughout."""
     captures = emulate_graphs(monkeypatch)
     backend = "reference"
-    model = model_for("sparse")
+    model = paged_model("sparse")
     prompt = torch.randint(0, 256, (2, 27), generator=torch.Generator().manual_seed(7))
     dec = PagedDecoder(model, 2, 40, backend=backend, num_pages=8)  # graph page table: 3 pages
     ref = PagedDecoder(model, 2, 40, backend=backend, num_pages=8)
@@ -233,7 +222,7 @@ def test_decoders_and_graphs_kept_across_calls(monkeypatch) -> None:
     import msakit.generate as G
 
     captures = emulate_graphs(monkeypatch)
-    model = model_for("sparse")
+    model = paged_model("sparse")
     G.clear_decoders(model)
     prompts = [torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(s)) for s in (9, 10)]
     decs = []
@@ -276,7 +265,7 @@ def test_decoders_and_graphs_kept_across_calls(monkeypatch) -> None:
 
 
 def test_generate_cuda_graph_argument() -> None:
-    model = model_for("sparse")
+    model = paged_model("sparse")
     prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(6))
     with pytest.raises(ValueError, match="cuda_graph must be"):
         generate(model, prompt, 2, cuda_graph="yes")
@@ -297,7 +286,7 @@ def test_generate_cuda_graph_argument() -> None:
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 def test_cuda_graph_generate_equals_eager(mode: str) -> None:
-    model = model_for(mode, device="cuda", layers=(0, 1, 1, 1)).to(torch.bfloat16)
+    model = paged_model(mode, device="cuda", layers=(0, 1, 1, 1)).to(torch.bfloat16)
     prompt = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1)).cuda()
     te, le = generate(model, prompt, 24, temperature=0, return_logits=True, cache="paged", cuda_graph=False)
     tg, lg = generate(model, prompt, 24, temperature=0, return_logits=True, cache="paged", cuda_graph=True)
@@ -323,7 +312,7 @@ def test_cuda_graph_generate_equals_eager(mode: str) -> None:
 def test_cuda_graph_falls_back_with_warning() -> None:
     import msakit.generate as G
 
-    model = model_for("sparse", device="cuda")
+    model = paged_model("sparse", device="cuda")
     prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1)).cuda()
     G._GRAPH_WARNED.clear()
     with pytest.warns(RuntimeWarning, match="reference"):

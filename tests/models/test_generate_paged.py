@@ -10,6 +10,8 @@ from msakit.generate import PagedDecoder, generate, paged_supported
 from msakit.models import M3Config, M3ForCausalLM
 from msakit.ops.dispatch import interpret_mode
 
+from toy_model import paged_model
+
 BACKENDS = ["reference"] + (["triton"] if (torch.cuda.is_available() or interpret_mode()) else [])
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -17,17 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_for(mode: str, seed: int = 0) -> M3ForCausalLM:
-    # tiny preset, smaller: pages (= blocks) of 16, top-2 blocks; layer 0 dense GQA, layers 1-2 MSA.
-    # A 40-token prompt spans 3 pages, so sparse decoding really skips a page.
-    cfg = M3Config.preset("tiny", vocab_size=256, num_hidden_layers=3, index_block_size=16, index_topk_blocks=2,
-                          sparse_attention_freq=[0, 1, 1], num_local_experts=4)
-    torch.manual_seed(seed)
-    m = M3ForCausalLM(cfg, mode=mode)
-    with torch.no_grad():  # non-trivial norms (index branch included)
-        for p in m.parameters():
-            if p.dim() == 1 and p.requires_grad:
-                p.normal_(0, 0.3)
-    return m.to(DEV).eval()
+    # layer 0 dense GQA, layers 1-2 MSA
+    return paged_model(mode, seed, DEV)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

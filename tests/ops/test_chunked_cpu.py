@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from msakit import ops
-from msakit.ops.index_kl import index_kl_loss_reference, index_kl_loss_varlen_reference, selected_lse_reference
+from msakit.ops.index_kl import index_kl_loss_reference, selected_lse_reference
 from msakit.ops.index_kl.chunked import index_kl_loss_chunked
-from msakit.ops.sparse_attention import sparse_attention_reference, sparse_attention_varlen_reference
+from msakit.ops.sparse_attention import sparse_attention_reference
 from msakit.ops.sparse_attention.chunked import sparse_attention_chunked
 
 
@@ -110,7 +110,7 @@ def test_sparse_attention_chunked_varlen_equals_reference():
     cu = torch.tensor([0, 20, 20, 51, 75], dtype=torch.int32)
     bi = torch.cat([messy_selection(1, G, e - s, K, bs, seed=s) for s, e in ((0, 20), (20, 51), (51, 75))], dim=2)
     want = attn_fwd_bwd(
-        lambda a, b, c: sparse_attention_varlen_reference(a, b, c, bi, cu, block_size=bs, return_lse=True), q, k, v, 3
+        lambda a, b, c: sparse_attention_reference(a, b, c, bi, cu_seqlens=cu, block_size=bs, return_lse=True), q, k, v, 3
     )
     got = attn_fwd_bwd(
         lambda a, b, c: sparse_attention_chunked(a, b, c, bi, block_size=bs, return_lse=True, cu_seqlens=cu, chunk=7),
@@ -186,7 +186,7 @@ def test_index_kl_chunked_varlen_equals_reference(over):
     cu = torch.tensor([0, 20, 20, 51, 75], dtype=torch.int32)
     bi = torch.cat([messy_selection(1, G, e - s, K, bs, seed=s) for s, e in ((0, 20), (20, 51), (51, 75))], dim=2)
     kw = dict(block_size=bs, over=over)
-    want = kl_and_grads(lambda: index_kl_loss_varlen_reference(q, k, qi, ki, bi, cu, **kw), qi, ki)
+    want = kl_and_grads(lambda: index_kl_loss_reference(q, k, qi, ki, bi, cu_seqlens=cu, **kw), qi, ki)
     got = kl_and_grads(lambda: index_kl_loss_chunked(q, k, qi, ki, bi, cu_seqlens=cu, chunk=9, **kw), qi, ki)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol(torch.float64, max(D, Di) + T * T))

@@ -17,7 +17,6 @@ from msakit.ops.index_kl import index_kl_loss, selected_lse
 from tolerances import assert_close_sums
 from msakit.ops.index_kl.reference import (
     index_kl_loss_reference,
-    index_kl_loss_varlen_reference,
     selected_lse_reference,
 )
 
@@ -129,7 +128,7 @@ def _varlen_setup(seed=5):
 def test_varlen_matches_reference(given_lse):
     q, k, q_idx, k_idx, bi, cu, bs = _varlen_setup()
     lse = selected_lse_reference(q, k, bi, block_size=bs, cu_seqlens=cu) if given_lse else None
-    ref = loss_and_grads(index_kl_loss_varlen_reference, q, k, q_idx, k_idx, block_idx=bi, cu_seqlens=cu,
+    ref = loss_and_grads(index_kl_loss_reference, q, k, q_idx, k_idx, block_idx=bi, cu_seqlens=cu,
                          block_size=bs)
     out = loss_and_grads(index_kl_loss, q, k, q_idx, k_idx, block_idx=bi, block_size=bs, lse=lse, cu_seqlens=cu,
                          backend="triton")

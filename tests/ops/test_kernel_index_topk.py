@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from msakit.ops.dispatch import interpret_mode
-from msakit.ops.index_topk import index_topk, index_topk_reference, index_topk_varlen_reference
+from msakit.ops.index_topk import index_topk, index_topk_reference
 from tools.bench.index_topk import agreement_rate, as_sets, rows_reference, sample_rows
 from msakit.ops.fp8 import quantize_fp8_reference as quantize_fp8_rows
 from msakit.ops.index_topk.reference import fp8_scoring_inputs
@@ -128,7 +128,7 @@ def test_kernel_varlen_three_documents(variant):
     q, k = int_inputs(1, sum(lens), 2, 32, seed=3)
     kw = dict(block_size=32, topk=3, local_blocks=2, init_blocks=1)
     got = run_kernel(q, k, VARIANTS[variant], cu_seqlens=cu, **kw)
-    ref = index_topk_varlen_reference(q, k, cu, **kw)
+    ref = index_topk_reference(q, k, cu_seqlens=cu, **kw)
     assert_same_sets(got, ref)
     # the varlen reference is the per-document reference, ids relative to each document
     for s, e in [(0, 70), (70, 80), (80, 230)]:
@@ -143,7 +143,7 @@ def test_kernel_varlen_empty_document_and_batch_equivalence():
     q, k = int_inputs(1, 97, 3, 16, seed=4)
     kw = dict(block_size=16, topk=4)
     got = index_topk(q, k, cu_seqlens=cu, backend="triton", **kw)
-    assert_same_sets(got, index_topk_varlen_reference(q, k, cu, **kw))
+    assert_same_sets(got, index_topk_reference(q, k, cu_seqlens=cu, **kw))
     # a single document spanning everything is the plain op
     cu1 = torch.tensor([0, 97], dtype=torch.int32, device=DEV)
     assert torch.equal(index_topk(q, k, cu_seqlens=cu1, backend="triton", **kw), index_topk_reference(q, k, **kw))

@@ -17,7 +17,6 @@ from msakit.ops.dense import dense_attention  # noqa: E402
 from msakit.ops.sparse_attention import (  # noqa: E402
     sparse_attention,
     sparse_attention_reference,
-    sparse_attention_varlen_reference,
 )
 from tolerances import assert_close_sums  # noqa: E402
 from tools.bench import sparse_attention as bench  # noqa: E402
@@ -148,7 +147,7 @@ def test_varlen_reference_is_a_loop_over_documents():
     q, k, v = make_inputs(1, 20, 2, 1, 8, seed=2)
     bi = messy_block_idx(1, 1, 20, 4, 3, seed=2)
     bi = bi.clamp(max=3)
-    o, lse = sparse_attention_varlen_reference(q, k, v, bi, cu, block_size=4, return_lse=True)
+    o, lse = sparse_attention_reference(q, k, v, bi, cu_seqlens=cu, block_size=4, return_lse=True)
     for s, e in ((0, 7), (7, 20)):
         ro, rl = sparse_attention_reference(q[:, s:e], k[:, s:e], v[:, s:e], bi[:, :, s:e], block_size=4, return_lse=True)
         torch.testing.assert_close(o[:, s:e], ro)
@@ -298,7 +297,7 @@ def test_backend_handling():
         q2, k2, v2 = (torch.cat([t, t]) for t in (q, k, v))
         sparse_attention(q2, k2, v2, torch.cat([bi, bi]), block_size=bs, cu_seqlens=cu)
     o = sparse_attention(q, k, v, bi, block_size=bs, cu_seqlens=cu)  # auto on CPU: varlen reference
-    torch.testing.assert_close(o, sparse_attention_varlen_reference(q, k, v, bi, cu, block_size=bs))
+    torch.testing.assert_close(o, sparse_attention_reference(q, k, v, bi, cu_seqlens=cu, block_size=bs))
 
 
 def test_opcheck_and_autograd_function():

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from msakit.ops.dispatch import interpret_mode  # noqa: E402
-from msakit.ops.sparse_attention import sparse_attention_reference, sparse_attention_varlen_reference  # noqa: E402
+from msakit.ops.sparse_attention import sparse_attention_reference  # noqa: E402
 from tolerances import assert_close_sums  # noqa: E402
 
 pytestmark = [
@@ -72,7 +72,7 @@ def _check_ref(o, lse, q, k, v, bi, bs, cu=None):
     if cu is None:
         ro, rl = sparse_attention_reference(q, k, v, bi, block_size=bs, return_lse=True)
     else:
-        ro, rl = sparse_attention_varlen_reference(q, k, v, bi, cu, block_size=bs, return_lse=True)
+        ro, rl = sparse_attention_reference(q, k, v, bi, cu_seqlens=cu, block_size=bs, return_lse=True)
     n = q.shape[-1] + bs + bi.shape[-1]
     assert_close_sums(lse, rl, n=n, msg="lse")
     assert_close_sums(o, ro, n=n, msg="o")
@@ -221,7 +221,7 @@ def test_poisoned_end_to_end(case):
     if cu is None:
         ro = sparse_attention_reference(qs, ks, vs, bi, block_size=bs, softmax_scale=scale)
     else:
-        ro = sparse_attention_varlen_reference(qs, ks, vs, bi, cu, block_size=bs, softmax_scale=scale)
+        ro = sparse_attention_reference(qs, ks, vs, bi, cu_seqlens=cu, block_size=bs, softmax_scale=scale)
     want = torch.autograd.grad(ro, (qs, ks, vs), do)
     n = D + T * (Hq // G) * bi.shape[-1]
     for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), want):

@@ -12,29 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from msakit.models import M3Config, M3ForCausalLM
+from msakit.models import M3Config
 from msakit.speculative import DSparkConfig, DSparkDrafter, spread_taps
 from msakit.speculative.generate import SpecCache, draft_context_update, draft_hidden, target_forward
 from msakit.speculative.train import DrafterTrainConfig, DrafterTrainer, dspark_loss
 from msakit.speculative.verify import sampling_probs
 
+from toy_model import small_target
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_target(vocab: int = 64, seed: int = 0, mode: str = "sparse") -> M3ForCausalLM:
-    cfg = M3Config.preset(
-        "tiny", vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, index_head_dim=16, rotary_dim=8, dense_intermediate_size=64, intermediate_size=32,
-        shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, index_block_size=4,
-        index_topk_blocks=2, sparse_attention_freq=[0, 1],
-    )
-    torch.manual_seed(seed)
-    m = M3ForCausalLM(cfg, mode=mode)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 1 and p.requires_grad:
-                p.normal_(0, 0.3)
-    return m.eval()
 
 
 def tiny_drafter(target, seed: int = 1, **kw) -> DSparkDrafter:
@@ -111,8 +97,8 @@ def test_scaled_presets() -> None:
 
 
 def test_bad_input_raises() -> None:
-    target = tiny_target(vocab=64)
-    other = tiny_target(vocab=80)
+    target = small_target(64)
+    other = small_target(80)
     d = tiny_drafter(target)
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         d.bind(other)
@@ -148,7 +134,7 @@ def test_bad_input_raises() -> None:
 def test_training_forward_matches_inference_path() -> None:
     """The teacher-forced block at anchor L equals the block drafted at inference after a prefill
     of positions < L: same positions, same context (keys < L), row j at position L + j."""
-    target = tiny_target()
+    target = small_target()
     d = tiny_drafter(target)
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[5, 13], [8, 16]])
@@ -170,7 +156,7 @@ def test_training_forward_matches_inference_path() -> None:
 def test_loss_row_shift() -> None:
     """dspark_loss scores row j of the block at L against token L + j + 1 and the target's
     distribution at L + j, with the Markov bias of token L + j (an explicit re-computation)."""
-    target = tiny_target()
+    target = small_target()
     d = tiny_drafter(target)
     T, g = 20, 7
     ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1))
@@ -207,7 +193,7 @@ def test_loss_row_shift() -> None:
 
 def test_context_masking_and_anchor() -> None:
     """Block rows see context keys L - W < j < L only, and all of their own block."""
-    target = tiny_target()
+    target = small_target()
     d = tiny_drafter(target, sliding_window=4)
     ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -236,7 +222,7 @@ def test_context_masking_and_anchor() -> None:
 def _markov_perm_setup(vocab: int = 16):
     """A target whose output head is zero (flat base logits) and a drafter whose Markov head
     puts +10 on perm[prev]: the drafts must follow the chain perm[anchor], perm[perm[anchor]], ..."""
-    target = tiny_target(vocab=vocab)
+    target = small_target(vocab)
     with torch.no_grad():
         target.lm_head.weight.zero_()
     d = tiny_drafter(target, markov_rank=vocab)
@@ -278,7 +264,7 @@ def test_markov_bias_applied_in_order() -> None:
 
 
 def test_no_markov_drafter_draws_rows_independently() -> None:
-    target = tiny_target()
+    target = small_target()
     d = tiny_drafter(target, markov_rank=0)
     h = torch.randn(2, 7, 64)
     prop = d.propose(h, torch.tensor([1, 2]), temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(0))
@@ -293,7 +279,7 @@ def test_no_markov_drafter_draws_rows_independently() -> None:
 
 
 def test_save_load_roundtrip(tmp_path) -> None:
-    target = tiny_target()
+    target = small_target()
     d = tiny_drafter(target)
     d.save_pretrained(tmp_path / "d")
     d2 = DSparkDrafter.from_pretrained(tmp_path / "d")
@@ -310,7 +296,7 @@ def test_load_released_layout(tmp_path) -> None:
 
     from msakit.quant.formats import mxfp8_dequantize, mxfp8_quantize
 
-    target = tiny_target()
+    target = small_target()
     d = tiny_drafter(target)
     out = tmp_path / "released"
     d.config.save(out)
@@ -354,7 +340,7 @@ def _rows(target, n_rows: int = 12, T: int = 32):
 
 
 def test_trainer_learns_logs_and_resumes(tmp_path) -> None:
-    target = tiny_target()
+    target = small_target()
     rows = _rows(target)
     cfg = DrafterTrainConfig(steps=30, batch_size=4, anchors=8, lr=3e-3, log_every=5, eval_every=30, eval_rows=4,
                              save_every=10)
@@ -388,7 +374,7 @@ def test_fit_to_time_keeps_the_configured_steps(tmp_path, monkeypatch) -> None:
     past cfg.steps; a slow pace shortens the run and the LR schedule with it."""
     import msakit.speculative.train as st
 
-    target = tiny_target()
+    target = small_target()
     rows = _rows(target)
     cfg = DrafterTrainConfig(steps=60, batch_size=2, anchors=4, log_every=100, eval_every=100, eval_rows=0,
                              save_every=1000, keep_checkpoints=0)
@@ -418,7 +404,7 @@ def test_fit_to_time_keeps_the_configured_steps(tmp_path, monkeypatch) -> None:
 def test_regeneration_pool_and_mix() -> None:
     from msakit.speculative.train import mix_streams, regenerate_pool
 
-    target = tiny_target()
+    target = small_target()
     rows = _rows(target, n_rows=6, T=16)
     pool = regenerate_pool(target, rows, 4, 5, temperatures=(0.7, 0.0), batch=4)
     assert len(pool) == 4 * 16 and pool.num_docs == 4 and list(pool.doc_starts) == [0, 16, 32, 48, 64]
@@ -441,7 +427,7 @@ def test_cli_errors(tmp_path, capsys) -> None:
 
     assert main(["train-drafter", str(tmp_path / "missing")]) == 2
     assert "target not found" in capsys.readouterr().err
-    target = tiny_target()
+    target = small_target()
     target.save_pretrained(tmp_path / "t")
     assert main(["train-drafter", str(tmp_path / "t"), "--taps", "0,7", "--out", str(tmp_path / "o")]) == 2
     assert "beyond the target's depth" in capsys.readouterr().err

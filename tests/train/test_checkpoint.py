@@ -4,31 +4,24 @@ an interruption (also mid-save) leaves the previous checkpoint loadable."""
 from __future__ import annotations
 
 import json
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
 
 from msakit.train import checkpoint as ck
-from msakit.train.data import prepare_data
 from msakit.train.trainer import TrainConfig, Trainer, read_metrics
 
-from toy_model import make_model
+from toy_model import make_model, stdlib_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 FILES = ["json/decoder.py", "json/encoder.py", "textwrap.py", "fnmatch.py", "bisect.py", "heapq.py", "glob.py"]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ccorpus")
-    for n in FILES:
-        (d / n.replace("/", "_")).write_text((STDLIB / n).read_text())
-    return prepare_data([d], stdlib=False, vocab_size=300, context=64, cache_dir=d / "cache", val_fraction=0.15)
+    return stdlib_data(tmp_path_factory.mktemp("ccorpus"), FILES, val_fraction=0.15)
 
 
 def _trainer(data, out, steps=12, **kw):

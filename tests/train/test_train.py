@@ -3,33 +3,26 @@
 from __future__ import annotations
 
 import math
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
 
 from msakit import ops
-from msakit.train.data import prepare_data
 from msakit.train.metrics import indexer_recall, load_balance
 from msakit.train.trainer import TrainConfig, Trainer, lr_at, mode_at, read_metrics
 
-from toy_model import make_model
+from toy_model import make_model, stdlib_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 FILES = ["json/decoder.py", "json/encoder.py", "json/scanner.py", "textwrap.py", "fnmatch.py", "bisect.py",
          "heapq.py", "colorsys.py", "glob.py", "keyword.py", "shlex.py", "sched.py"]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tcorpus")
-    for n in FILES:
-        (d / n.replace("/", "_")).write_text((STDLIB / n).read_text())
-    return prepare_data([d], stdlib=False, vocab_size=300, context=64, cache_dir=d / "cache", val_fraction=0.1)
+    return stdlib_data(tmp_path_factory.mktemp("tcorpus"), FILES, val_fraction=0.1)
 
 
 def test_short_cpu_run_loss_falls_and_logs(data, tmp_path):

@@ -301,6 +301,16 @@ def best_plan_kw(rows: list[dict]) -> dict:
     return kw
 
 
+def _pools_bytes(B: int, N: int) -> int:
+    """Bytes of the bf16 paged K / V pools and index keys of B sequences of N tokens."""
+    return B * -(-N // PS) * PS * G * D * 2 * 2 + B * N * DI * 2
+
+
+def _pools_fit(B: int, N: int) -> bool:
+    """Whether those pools fit in free device memory (5% slack)."""
+    return _fits(int(_pools_bytes(B, N) * 1.05))
+
+
 def _fits(nbytes: int) -> bool:
     free, _ = torch.cuda.mem_get_info()
     return nbytes < 0.92 * free
@@ -314,10 +324,8 @@ def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: in
             dense_bytes = B * G * N * D * 2 * 2
             if _fits(int(dense_bytes * 1.05)):
                 dense = dense_ms(B, N)
-            kv_bytes = B * -(-N // PS) * PS * G * D * 2 * 2
-            idx_bytes = B * N * DI * 2
-            if not _fits(int((kv_bytes + idx_bytes) * 1.05)):
-                print(f"skip B={B} N={N}: {(kv_bytes + idx_bytes) / 2**30:.1f} GiB does not fit", flush=True)
+            if not _pools_fit(B, N):
+                print(f"skip B={B} N={N}: {_pools_bytes(B, N) / 2**30:.1f} GiB does not fit", flush=True)
                 continue
             kv = None
             for idx in idxs:
@@ -449,9 +457,8 @@ def ab(Ns=(16384, 131072, 1 << 20), Bs=(1, 8), idxs=("bf16", "fp8"), variants=No
             dn = {}
             if dense and _fits(int(B * G * N * D * 2 * 2 * 1.05)):
                 dn = dense_ms(B, N, read_flush=read_flush)
-            kv_bytes = B * -(-N // PS) * PS * G * D * 2 * 2
-            if not _fits(int((kv_bytes + B * N * DI * 2) * 1.05)):
-                print(f"skip B={B} N={N}: does not fit", flush=True)
+            if not _pools_fit(B, N):
+                print(f"skip B={B} N={N}: {_pools_bytes(B, N) / 2**30:.1f} GiB does not fit", flush=True)
                 continue
             kv = None
             for idx in idxs:

@@ -6,15 +6,14 @@ import math
 
 import torch
 
-from ..checks import check_block_idx, check_cu_seqlens, check_index_qk, check_positive_int, check_qkv, check_same, check_scale
+from ..checks import check_block_attention, check_block_idx, check_cu_seqlens, check_index_qk, check_positive_int, check_qkv, check_same, check_scale
 from ..dispatch import use_triton, warn_once
 from .chunked import index_kl_loss_chunked
-from .reference import index_kl_loss_reference, index_kl_loss_varlen_reference, selected_lse_reference
+from .reference import index_kl_loss_reference, selected_lse_reference
 
 __all__ = [
     "index_kl_loss",
     "index_kl_loss_reference",
-    "index_kl_loss_varlen_reference",
     "selected_lse",
     "selected_lse_reference",
 ]
@@ -179,14 +178,9 @@ def index_kl_loss(
             q, k, q_idx, k_idx, block_idx, block_size=block_size, softmax_scale=scale,
             index_softmax_scale=iscale, lse=lse, cu_seqlens=cu_seqlens, over=over,
         )
-    if cu_seqlens is not None:
-        return index_kl_loss_varlen_reference(
-            q.detach(), k.detach(), q_idx, k_idx, block_idx, cu_seqlens,
-            block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale, over=over,
-        )
     return index_kl_loss_reference(
         q.detach(), k.detach(), q_idx, k_idx, block_idx,
-        block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale, over=over,
+        block_size=block_size, softmax_scale=scale, index_softmax_scale=iscale, over=over, cu_seqlens=cu_seqlens,
     )
 
 
@@ -206,12 +200,9 @@ def selected_lse(
     lse[b, h, i] = log sum_{j in T_sel(r, i)} exp(softmax_scale * q_h(i) . k_r(j)), -inf for a
     row selecting nothing (what `index_kl_loss` takes as `lse`).
     """
-    B, T, Hq, G, D = check_qkv(q, k, None)
-    check_positive_int("block_size", block_size)
-    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
-    scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, B, T, q.device)
+    B, T, Hq, G, D, scale = check_block_attention(
+        q, k, None, block_idx, block_size, softmax_scale, cu_seqlens, check_values=validate
+    )
     if use_triton("selected_lse", backend, q.device) and q.dtype != torch.float64:
         from .triton import selected_lse_triton
 

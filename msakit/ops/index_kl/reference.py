@@ -10,8 +10,7 @@ Gradients reach q_idx and k_idx only.  A row with no selected token contributes 
 counts in the mean).  over="all" takes both distributions over every token j <= i instead (the
 selection of every block at or before the query's own block; block_idx is ignored).
 
-Also here: `index_kl_loss_varlen_reference` (documents packed along T, `cu_seqlens`) and
-`selected_lse_reference` (the per-head LSE over the selected tokens that the kernel takes as `lse`).
+Also here: `selected_lse_reference` (the per-head LSE over the selected tokens that the kernel takes as `lse`).
 """
 
 from __future__ import annotations
@@ -60,11 +59,27 @@ def index_kl_loss_reference(
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
     over: str = "selected",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scalar KL(P || P_idx) averaged over (b, r, i); layouts as in docs/msa.md.
 
     over="all": over every token j <= i (block_idx is ignored and may be None).
+    cu_seqlens [ndocs + 1]: documents packed along T (tensors [1, total, ...], block_idx
+    [1, G, total, K] with ids relative to each document's start); the mean over all (r, i)
+    of all documents.
     """
+    if cu_seqlens is not None:
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        acc = q_idx.new_zeros((), dtype=compute_dtype(q_idx))
+        for s, e in zip(cu[:-1], cu[1:]):
+            if e > s:
+                part = index_kl_loss_reference(
+                    q[:, s:e], k[:, s:e], q_idx[:, s:e], k_idx[:, s:e], None if over == "all" else block_idx[:, :, s:e],
+                    block_size=block_size, softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale,
+                    over=over,
+                )
+                acc = acc + part * (e - s)
+        return acc / cu[-1]
     B, T, Hq, D = q.shape
     G = k.shape[2]
     Di = q_idx.shape[-1]
@@ -84,35 +99,6 @@ def index_kl_loss_reference(
         args = (q[:, i0:i1], k, q_idx[:, i0:i1], k_idx, block_idx[:, :, i0:i1], i0 + k.shape[1] - T, block_size, scale, iscale)
         total = total + (checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
     return total / (B * G * T)
-
-
-def index_kl_loss_varlen_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    block_idx: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    block_size: int = 128,
-    softmax_scale: float | None = None,
-    index_softmax_scale: float | None = None,
-    over: str = "selected",
-) -> torch.Tensor:
-    """Varlen twin: tensors [1, total, ...], block_idx [1, G, total, K] with ids relative to each
-    document's start, cu_seqlens [ndocs + 1].  The mean over all (r, i) of all documents."""
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    total = cu[-1]
-    acc = q_idx.new_zeros((), dtype=compute_dtype(q_idx))
-    for s, e in zip(cu[:-1], cu[1:]):
-        if e <= s:
-            continue
-        part = index_kl_loss_reference(
-            q[:, s:e], k[:, s:e], q_idx[:, s:e], k_idx[:, s:e], None if over == "all" else block_idx[:, :, s:e],
-            block_size=block_size, softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale, over=over,
-        )
-        acc = acc + part * (e - s)
-    return acc / total
 
 
 def _lse_chunk(q, k, bidx, i0: int, block_size: int, scale: float):

@@ -7,9 +7,9 @@ import torch
 from ..checks import check_finite as _check_finite_values
 from ..checks import check_cu_seqlens, check_index_qk, check_positive_int
 from ..dispatch import use_triton
-from .reference import fp8_scoring_inputs, index_topk_reference, index_topk_varlen_reference
+from .reference import fp8_scoring_inputs, index_topk_reference
 
-__all__ = ["index_topk", "index_topk_reference", "index_topk_varlen_reference"]
+__all__ = ["index_topk", "index_topk_reference"]
 
 SCORE_DTYPES = (None, "fp8")
 
@@ -51,10 +51,10 @@ def _index_topk_op(
         )
     if sd == "fp8":
         q_idx, k_idx = fp8_scoring_inputs(q_idx, k_idx)
-    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
-    if cu_seqlens is not None:
-        return index_topk_varlen_reference(q_idx, k_idx, cu_seqlens, **kw)
-    return index_topk_reference(q_idx, k_idx, **kw)
+    return index_topk_reference(
+        q_idx, k_idx, block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 @_index_topk_op.register_fake

@@ -27,11 +27,26 @@ def index_topk_reference(
     topk: int = 16,
     local_blocks: int = 1,
     init_blocks: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_idx [B, T, G, Di], k_idx [B, Tk, Di] -> block_idx int32 [B, G, T, topk].
 
     With Tk > T the queries are the last T positions of the keys' sequence (decode).
+
+    cu_seqlens [ndocs + 1]: packed documents, q_idx [1, total, G, Di], k_idx [1, total, Di].
+    Document d holds tokens cu_seqlens[d] .. cu_seqlens[d + 1] - 1 and is an independent
+    sequence: its blocks are counted from its first token and the ids in its rows are relative
+    to that token; tokens outside every document stay -1.
     """
+    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+    if cu_seqlens is not None:
+        _, total, G, _ = q_idx.shape
+        out = torch.full((1, G, total, topk), -1, dtype=torch.int32, device=q_idx.device)
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            if e > s:
+                out[:, :, s:e] = index_topk_reference(q_idx[:, s:e], k_idx[:, s:e], **kw)
+        return out
     B, T, G, _ = q_idx.shape
     Tk = k_idx.shape[1]
     off = Tk - T
@@ -65,34 +80,6 @@ def index_topk_reference(
         vals = order.values[..., :kk]
         ids = ids.masked_fill(vals == float("-inf"), -1)
         out[:, :, i0:i1, :kk] = ids
-    return out
-
-
-def index_topk_varlen_reference(
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    block_size: int = 128,
-    topk: int = 16,
-    local_blocks: int = 1,
-    init_blocks: int = 0,
-) -> torch.Tensor:
-    """Packed documents: q_idx [1, total, G, Di], k_idx [1, total, Di], cu_seqlens [ndocs + 1].
-
-    Document d holds tokens cu_seqlens[d] .. cu_seqlens[d + 1] - 1 and is an independent
-    sequence: its blocks are counted from its first token and the ids in its rows are relative
-    to that token.  Returns int32 [1, G, total, topk]; tokens outside every document stay -1.
-    """
-    _, total, G, _ = q_idx.shape
-    out = torch.full((1, G, total, topk), -1, dtype=torch.int32, device=q_idx.device)
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e > s:
-            out[:, :, s:e] = index_topk_reference(
-                q_idx[:, s:e], k_idx[:, s:e], block_size=block_size, topk=topk,
-                local_blocks=local_blocks, init_blocks=init_blocks,
-            )
     return out
 
 

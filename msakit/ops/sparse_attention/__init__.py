@@ -8,16 +8,14 @@ reference of `reference.py` (the meaning).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..checks import check_block_idx, check_cu_seqlens, check_positive_int, check_qkv, check_scale
+from ..checks import check_block_attention
 from ..dispatch import use_triton, warn_once
 from .chunked import sparse_attention_chunked
-from .reference import sparse_attention_reference, sparse_attention_varlen_reference
+from .reference import sparse_attention_reference
 
-__all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_varlen_reference", "SparseAttentionFunction"]
+__all__ = ["sparse_attention", "sparse_attention_reference", "SparseAttentionFunction"]
 
 
 def _kernels():
@@ -136,12 +134,9 @@ def sparse_attention(
     validate=False skips the range check of block_idx's values (a host sync on CUDA) for a
     selection known to be valid, such as index_topk's output.
     """
-    B, T, Hq, G, D = check_qkv(q, k, v)
-    check_positive_int("block_size", block_size)
-    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
-    scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, B, T, q.device)
+    B, T, Hq, G, D, scale = check_block_attention(
+        q, k, v, block_idx, block_size, softmax_scale, cu_seqlens, check_values=validate
+    )
     if use_triton("sparse_attention", backend, q.device):
         why = _kernels().kernel_supports(q.dtype, D, block_size, q.device)
         if why is None:
@@ -154,6 +149,4 @@ def sparse_attention(
     kw = dict(block_size=block_size, softmax_scale=scale, return_lse=return_lse)
     if backend != "reference":  # CPU (or no usable kernel): chunked matmuls, equal to the reference
         return sparse_attention_chunked(q, k, v, block_idx, cu_seqlens=cu_seqlens, **kw)
-    if cu_seqlens is not None:
-        return sparse_attention_varlen_reference(q, k, v, block_idx, cu_seqlens, **kw)
-    return sparse_attention_reference(q, k, v, block_idx, **kw)
+    return sparse_attention_reference(q, k, v, block_idx, cu_seqlens=cu_seqlens, **kw)

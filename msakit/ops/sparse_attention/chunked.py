@@ -161,14 +161,20 @@ def _scores(qn, kb, pc, hpg, block_size, T, scale):
     return s
 
 
-def _forward(q, k, v, block_idx, block_size, scale, chunk):
+def _operands(q, k, v, block_size):
+    """What the forward and the backward share: the sizes, the compute dtype, the default piece
+    capacity, k and v as key blocks and q's rows extended by the padding row."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
     hpg = Hq // G
     cdt = compute_dtype(q)
-    cap0 = default_cap(hpg)
     kb_all, vb_all = key_blocks(k, block_size, cdt), key_blocks(v, block_size, cdt)
     qx = extend_rows(q.reshape(B, T, G, hpg * D), cdt)
+    return B, T, Hq, D, G, hpg, cdt, default_cap(hpg), kb_all, vb_all, qx
+
+
+def _forward(q, k, v, block_idx, block_size, scale, chunk):
+    B, T, Hq, D, G, hpg, cdt, cap0, kb_all, vb_all, qx = _operands(q, k, v, block_size)
     o = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, G, hpg, dtype=cdt, device=q.device)
     for i0 in range(0, T, chunk):
@@ -198,14 +204,8 @@ def _forward(q, k, v, block_idx, block_size, scale, chunk):
 
 
 def _backward(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, chunk):
-    B, T, Hq, D = q.shape
-    G = k.shape[2]
-    hpg = Hq // G
-    cdt = compute_dtype(q)
-    cap0 = default_cap(hpg)
-    kb_all, vb_all = key_blocks(k, block_size, cdt), key_blocks(v, block_size, cdt)
+    B, T, Hq, D, G, hpg, cdt, cap0, kb_all, vb_all, qx = _operands(q, k, v, block_size)
     dkb, dvb = torch.zeros_like(kb_all), torch.zeros_like(vb_all)
-    qx = extend_rows(q.reshape(B, T, G, hpg * D), cdt)
     dox = extend_rows(do.reshape(B, T, G, hpg * D), cdt)
     dq = torch.empty(B, T, G, hpg * D, dtype=cdt, device=q.device)
     # delta_i = sum_d do * o (the softmax backward's row term); the lse gradient enters as -dlse

@@ -45,8 +45,29 @@ def sparse_attention_reference(
     block_size: int = 128,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ):
-    """q [B,T,Hq,D], k/v [B,T,G,D], block_idx [B,G,T,K] -> o [B,T,Hq,D] (q.dtype), lse [B,Hq,T] fp32."""
+    """q [B,T,Hq,D], k/v [B,T,G,D], block_idx [B,G,T,K] -> o [B,T,Hq,D] (q.dtype), lse [B,Hq,T] fp32.
+
+    cu_seqlens [ndocs + 1]: a packed variable-length batch, documents d = [cu_seqlens[d],
+    cu_seqlens[d+1]) of q [1, total, Hq, D], k/v [1, total, G, D], block_idx [1, G, total, topk].
+    Block ids are relative to each document's start (block b of document d covers the tokens
+    cu_seqlens[d] + b*block_size ...), and no token attends outside its document: each
+    document is computed on its own slice.
+    """
+    if cu_seqlens is not None:
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        outs, lses = [], []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            if e > s:
+                o, lse = sparse_attention_reference(
+                    q[:, s:e], k[:, s:e], v[:, s:e], block_idx[:, :, s:e],
+                    block_size=block_size, softmax_scale=softmax_scale, return_lse=True,
+                )
+                outs.append(o)
+                lses.append(lse)
+        o = torch.cat(outs, dim=1)
+        return (o, torch.cat(lses, dim=2)) if return_lse else o
     B, T, Hq, D = q.shape
     G = k.shape[2]
     K = block_idx.shape[-1]
@@ -64,41 +85,4 @@ def sparse_attention_reference(
     o = torch.cat(outs, dim=1).to(q.dtype)
     if return_lse:
         return o, torch.cat(lses, dim=2).float()
-    return o
-
-
-def sparse_attention_varlen_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_idx: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    block_size: int = 128,
-    softmax_scale: float | None = None,
-    return_lse: bool = False,
-):
-    """Packed variable-length batch: documents d = [cu_seqlens[d], cu_seqlens[d+1]) of
-    q [1, total, Hq, D], k/v [1, total, G, D], block_idx [1, G, total, topk].
-
-    Block ids are relative to each document's start (block b of document d covers the tokens
-    cu_seqlens[d] + b*block_size ...), and no token attends outside its document.  Each
-    document is exactly `sparse_attention_reference` on its own slice.
-    """
-    D = q.shape[-1]
-    scale = default_scale(softmax_scale, D)
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    outs, lses = [], []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e <= s:
-            continue
-        o, lse = sparse_attention_reference(
-            q[:, s:e], k[:, s:e], v[:, s:e], block_idx[:, :, s:e],
-            block_size=block_size, softmax_scale=scale, return_lse=True,
-        )
-        outs.append(o)
-        lses.append(lse)
-    o = torch.cat(outs, dim=1)
-    if return_lse:
-        return o, torch.cat(lses, dim=2)
     return o
