@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from msakit.sampling import sample_next
+from msakit.sampling import keyword_options, sample_next
 
 from msakit.cache import KVCache, PagedKVCache, PagedStep
 
@@ -661,12 +661,8 @@ def generate_uncached(model: Any, input_ids: torch.Tensor, max_new_tokens: int, 
     compute_kl=False) returns .logits); the reference the cached path is tested against.
     `sampling`: generate's keyword arguments temperature, top_k, top_p, generator, streamer,
     eos_token_id and return_logits (same defaults)."""
-    allowed = ("temperature", "top_k", "top_p", "generator", "streamer", "eos_token_id", "return_logits")
-    unknown = sorted(set(sampling) - set(allowed))
-    if unknown:
-        raise ValueError(f"generate_uncached takes {', '.join(allowed)}; got {', '.join(unknown)}")
-    opts = dict(temperature=1.0, top_k=None, top_p=None, generator=None, streamer=None, eos_token_id=None,
-                return_logits=False) | sampling
+    opts = keyword_options(sampling, dict(temperature=1.0, top_k=None, top_p=None, generator=None, streamer=None,
+                                          eos_token_id=None, return_logits=False), "generate_uncached")
     def make_step() -> Callable[[torch.Tensor | None], torch.Tensor]:
         seq = [input_ids]
 
@@ -678,4 +674,4 @@ def generate_uncached(model: Any, input_ids: torch.Tensor, max_new_tokens: int, 
 
         return step
 
-    return _run_eval(model, make_step, input_ids, max_new_tokens, *(opts[k] for k in allowed))
+    return _run_eval(model, make_step, input_ids, max_new_tokens, *opts.values())

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_sampling", "filter_logits", "sampling_probs", "sample_next", "sample_probs"]
+__all__ = ["check_sampling", "filter_logits", "sampling_probs", "sample_next", "sample_probs", "keyword_options"]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -111,3 +111,12 @@ def sample_probs(probs: torch.Tensor, generator: torch.Generator | None = None, 
     # scores 0 (never NaN, which argmax would pick) and a positive one stays finite
     score = probs.float() / e.clamp_min(torch.finfo(torch.float32).tiny)
     return score.argmax(dim=-1)
+
+
+def keyword_options(given: dict, defaults: dict, where: str) -> dict:
+    """`defaults` updated by `given` (a function's **options), in the defaults' order; ValueError
+    naming `where` and the allowed names for an unknown option."""
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"{where} takes {', '.join(defaults)}; got {', '.join(unknown)}")
+    return {k: given.get(k, v) for k, v in defaults.items()}

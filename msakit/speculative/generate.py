@@ -77,6 +77,7 @@ from msakit.generate import StatePool, graph_warning, model_state_key, round_len
 from msakit.speculative.cache import SPEC_CACHE_KINDS, SpecCache, positions_check as _positions_check
 from msakit.speculative.drafter import DraftProposal, DSparkDrafter
 from msakit.speculative.verify import check_sampling, confidence_budget as schedule_budget, sample_probs, sampling_probs, verify
+from msakit.sampling import keyword_options
 
 __all__ = ["speculative_generate", "autoregressive_generate", "SpecStats", "SpecCache", "target_forward",
            "draft_context_update", "draft_hidden", "target_step", "clear_runs", "StaticRounds"]
@@ -698,22 +699,15 @@ def speculative_generate(
 
 
 @torch.no_grad()
-def autoregressive_generate(
-    target,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    cuda_graph: bool | None = None,
-    cache: str = "auto",
-) -> torch.Tensor:
+def autoregressive_generate(target, prompt: torch.Tensor, max_new_tokens: int, **options: Any) -> torch.Tensor:
     """Plain decoding (one token per target forward) through the same cache and attention code
-    as `speculative_generate` (`cache` as there): the same-engine baseline its speed is
-    compared with.  The per-token forward is `target_step` (fixed shapes), a CUDA graph on CUDA
-    unless cuda_graph is False."""
+    as `speculative_generate`: the same-engine baseline its speed is compared with.  `options`:
+    speculative_generate's temperature (1.0), top_k, top_p, generator, cuda_graph and cache
+    ("auto"), with the same meaning.  The per-token forward is `target_step` (fixed shapes), a
+    CUDA graph on CUDA unless cuda_graph is False."""
+    o = keyword_options(options, dict(temperature=1.0, top_k=None, top_p=None, generator=None, cuda_graph=None,
+                                      cache="auto"), "autoregressive_generate")
+    temperature, top_k, top_p, generator, cuda_graph, cache = o.values()
     check_sampling(temperature, top_k, top_p)
     if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")

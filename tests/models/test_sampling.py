@@ -137,3 +137,23 @@ def test_bad_logits_named() -> None:
         sample_next(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="logits"):
         sampling_probs(torch.zeros(2, 0))
+
+
+def test_keyword_options_defaults_order_and_unknown_names():
+    from msakit.sampling import keyword_options
+
+    got = keyword_options({"top_k": 5}, {"temperature": 1.0, "top_k": None}, "f")
+    assert list(got.items()) == [("temperature", 1.0), ("top_k", 5)]
+    with pytest.raises(ValueError, match="f takes temperature, top_k; got topk"):
+        keyword_options({"topk": 5}, {"temperature": 1.0, "top_k": None}, "f")
+
+
+def test_uncached_and_same_engine_loops_refuse_unknown_options():
+    from msakit.generate import generate_uncached
+    from msakit.speculative import autoregressive_generate
+
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="generate_uncached takes"):
+        generate_uncached(None, ids, 1, temprature=0)
+    with pytest.raises(ValueError, match="autoregressive_generate takes"):
+        autoregressive_generate(None, ids, 1, temprature=0)

@@ -306,9 +306,12 @@ def _pools_bytes(B: int, N: int) -> int:
     return B * -(-N // PS) * PS * G * D * 2 * 2 + B * N * DI * 2
 
 
-def _pools_fit(B: int, N: int) -> bool:
-    """Whether those pools fit in free device memory (5% slack)."""
-    return _fits(int(_pools_bytes(B, N) * 1.05))
+def _skip_unfit(B: int, N: int) -> bool:
+    """True (and a line saying so) when those pools do not fit in free device memory (5% slack)."""
+    if _fits(int(_pools_bytes(B, N) * 1.05)):
+        return False
+    print(f"skip B={B} N={N}: {_pools_bytes(B, N) / 2**30:.1f} GiB does not fit", flush=True)
+    return True
 
 
 def _fits(nbytes: int) -> bool:
@@ -324,8 +327,7 @@ def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: in
             dense_bytes = B * G * N * D * 2 * 2
             if _fits(int(dense_bytes * 1.05)):
                 dense = dense_ms(B, N)
-            if not _pools_fit(B, N):
-                print(f"skip B={B} N={N}: {_pools_bytes(B, N) / 2**30:.1f} GiB does not fit", flush=True)
+            if _skip_unfit(B, N):
                 continue
             kv = None
             for idx in idxs:
@@ -457,8 +459,7 @@ def ab(Ns=(16384, 131072, 1 << 20), Bs=(1, 8), idxs=("bf16", "fp8"), variants=No
             dn = {}
             if dense and _fits(int(B * G * N * D * 2 * 2 * 1.05)):
                 dn = dense_ms(B, N, read_flush=read_flush)
-            if not _pools_fit(B, N):
-                print(f"skip B={B} N={N}: {_pools_bytes(B, N) / 2**30:.1f} GiB does not fit", flush=True)
+            if _skip_unfit(B, N):
                 continue
             kv = None
             for idx in idxs:
