@@ -25,8 +25,8 @@ Per layer (`ContextParallel.attend`, with the signature of `msakit.nn.attention.
 Selections and outputs equal the single-process ones row by row; the KL returned by each rank
 is its share of the global mean (the shares sum to the single-process KL).
 
-The LM loss under CP: `ContextParallel.lm_targets` shifts the labels over the whole sequence
-before sharding (the target of a chunk's last token is the next chunk's first token).
+The LM loss under CP: `msakit.distributed.step.next_token_targets` shifts the labels over the whole
+sequence before sharding (the target of a chunk's last token is the next chunk's first token).
 """
 
 from __future__ import annotations
@@ -492,15 +492,6 @@ class ContextParallel:
         for s, e in self.segments:
             pos[s:e] -= s
         return pos.index_select(0, self.layout.positions(device=device)).unsqueeze(0)
-
-    def lm_targets(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-        """labels [B, T] (HF: equal to the inputs) -> the local next-token targets [B, L]: position i
-        predicts labels[i + 1]; the last position, document ends and padding are `ignore_index`."""
-        tgt = torch.full_like(labels, ignore_index)
-        tgt[:, :-1] = labels[:, 1:]
-        for _, e in self.segments[:-1]:
-            tgt[:, e - 1] = ignore_index
-        return self.shard(tgt, dim=1, pad_value=ignore_index)
 
     # -- the layer hook -------------------------------------------------------------------------
     def attend(self, q, k, v, q_idx, k_idx, sel, *, mode: str, compute_kl: bool, need_block_idx: bool = False,

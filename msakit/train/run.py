@@ -789,13 +789,6 @@ class TextStreamer:
         return self.tok.decode(self.ids)
 
 
-def _checkpoint_kind(folder: Path) -> str | None:
-    try:
-        return json.loads((folder / "trainer_state.json").read_text(encoding="utf-8")).get("kind")
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return None
-
-
 def load_drafter(path: Path, device):
     """A DSpark drafter from a drafter run folder (its latest checkpoint), checkpoint or folder."""
     from msakit.speculative import DSparkDrafter
