@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -112,6 +113,11 @@ def kl_case(x: dict, impl) -> dict:
     return {"fwd": fwd, "fwd_bwd": fb, "out": (loss, qi.grad, ki.grad)}
 
 
+def default_scales(q: torch.Tensor, q_idx: torch.Tensor) -> tuple[float, float]:
+    """index_kl_loss's default softmax scales 1/sqrt(D) and 1/sqrt(Di) (the chunked path takes them resolved)."""
+    return 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(q_idx.shape[-1])
+
+
 def max_diffs(names: tuple[str, ...], a: tuple, b: tuple) -> dict:
     out = {}
     for n, x, y in zip(names, a, b):
@@ -148,18 +154,18 @@ def run(args: argparse.Namespace) -> dict:
         **commit_info(), "tree_digest": tree_digest(),
     }
     attn = {
-        "chunked": lambda q, k, v: sparse_attention_chunked(q, k, v, bi, block_size=bs, return_lse=True),
+        "chunked": lambda q, k, v: sparse_attention_chunked(q, k, v, bi, bs, 1 / math.sqrt(q.shape[-1])),
         "reference": lambda q, k, v: sparse_attention_reference(q, k, v, bi, block_size=bs, return_lse=True),
     }
     kl = {
-        "chunked": lambda q, k, qi, ki: index_kl_loss_chunked(q, k, qi, ki, bi, block_size=bs),
+        "chunked": lambda q, k, qi, ki: index_kl_loss_chunked(q, k, qi, ki, bi, bs, *default_scales(q, qi)),
         "reference": lambda q, k, qi, ki: index_kl_loss_reference(q, k, qi, ki, bi, block_size=bs),
     }
     names = ["chunked"] + ([] if args.no_reference else ["reference"])
     res["dense_sdpa"] = dense_sdpa(x)
     res["sparse_attention"] = {n: attention_case(x, attn[n]) for n in names}
     res["index_kl_loss"] = {n: kl_case(x, kl[n]) for n in names}
-    all_impl = lambda q, k, qi, ki: index_kl_loss_chunked(q, k, qi, ki, None, block_size=bs, over="all")  # noqa: E731
+    all_impl = lambda q, k, qi, ki: index_kl_loss_chunked(q, k, qi, ki, None, bs, *default_scales(q, qi), over="all")  # noqa: E731
     res["index_kl_loss_all"] = {"chunked": kl_case(x, all_impl)}
     for op, fields in (("sparse_attention", ("o", "lse", "dq", "dk", "dv")), ("index_kl_loss", ("loss", "dq_idx", "dk_idx"))):
         r = res[op]

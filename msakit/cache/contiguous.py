@@ -7,16 +7,12 @@ positions [length, length + Tq) and attends the first length + Tq (see `KVCache.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from msakit.cache.base import KVCacheProtocol
 from msakit.nn.attention import MSAConfig, msa_attend
-from msakit.ops.index_topk.reference import index_topk_reference
-from msakit.ops.sparse_attention.reference import sparse_attention_reference
 
 __all__ = ["KVCache"]
 
@@ -59,28 +55,12 @@ class KVCache(KVCacheProtocol):
     def attend(self, layer: int, q: torch.Tensor, q_idx: torch.Tensor | None, sel: MSAConfig,
                mode: str) -> torch.Tensor:
         """The Tq new queries over the first length + Tq positions.  The prompt (length 0) takes
-        the training path; later steps select with the indexer's reference over every cached
-        index key and attend the selected blocks (sparse mode, the reference ops take Tq < Tk),
-        or all keys with a bottom-right causal mask (SDPA)."""
+        the training path; later steps `msa_attend`'s path for queries at the last positions."""
         Tq = q.shape[1]
         Tk = self.length + Tq
         k, v = self.k[layer][:, :Tk], self.v[layer][:, :Tk]
         k_idx = None if self.k_idx[layer] is None else self.k_idx[layer][:, :Tk]
-        if Tq == Tk:
-            return msa_attend(q, k, v, q_idx, k_idx, sel, mode=mode, compute_kl=False)[0]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        if mode == "sparse" and q_idx is not None:
-            bi = index_topk_reference(q_idx, k_idx, block_size=sel.block_size, topk=sel.topk,
-                                      local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
-            return sparse_attention_reference(q, k, v, bi, block_size=sel.block_size, softmax_scale=scale)
-        rep = q.shape[2] // k.shape[2]
-        qh = q.transpose(1, 2)
-        kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
-        vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
-        rows = torch.arange(Tk - Tq, Tk, device=q.device).view(-1, 1)
-        mask = torch.arange(Tk, device=q.device).view(1, -1) <= rows  # bottom-right causal
-        o = F.scaled_dot_product_attention(qh, kh.to(qh.dtype), vh.to(qh.dtype), attn_mask=mask, scale=scale)
-        return o.transpose(1, 2)
+        return msa_attend(q, k, v, q_idx, k_idx, sel, mode=mode, compute_kl=False)[0]
 
     def advance(self, num_new: int) -> None:
         self.length += num_new

@@ -499,7 +499,11 @@ class ContextParallel:
         """Drop-in for `msa_attend` on the rank's local tokens: q [B, L, Hq, D], k/v [B, L, G, D],
         q_idx [B, L, G, Di] / k_idx [B, L, Di] or None -> (o [B, L, Hq, D], KL share or None,
         block_idx [B, G, L, K] or None).  `segments` and `select` are ignored: the context holds the
-        documents, and selects with `ops.index_topk` semantics at global positions."""
+        documents, and selects with `ops.index_topk` semantics at global positions; the KL is over
+        the selected tokens (sel.kl_tokens "all" is refused)."""
+        if compute_kl and sel.kl_tokens != "selected":
+            raise ValueError("context parallelism computes the KL over the selected tokens: kl_tokens='all' "
+                             "is not supported with --cp")
         return cp_msa_attention(q, k, v, q_idx, k_idx, self, block_size=sel.block_size, topk=sel.topk,
                                 local_blocks=sel.local_blocks, init_blocks=sel.init_blocks, mode=mode,
                                 compute_kl=compute_kl, need_block_idx=need_block_idx, softmax_scale=softmax_scale)

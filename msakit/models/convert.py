@@ -25,9 +25,12 @@ Both return a model in "dense" mode with the training interface of `M3ForCausalL
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -37,8 +40,16 @@ from torch import nn
 
 from msakit import ops
 from msakit.models.config import M3_MODEL_TYPES
-from msakit.models.modeling import M3ForCausalLM, M3Output, document_segments, lm_loss, segment_positions
-from msakit.nn.attention import MODES, MSAConfig, msa_attend, selection_info
+from msakit.cache.base import KVCacheProtocol
+from msakit.models.modeling import (
+    M3ForCausalLM,
+    M3Output,
+    document_segments,
+    index_parameters,
+    lm_loss,
+    segment_positions,
+)
+from msakit.nn.attention import INDEX_MODULES, KL_TOKENS, MODES, MSAConfig, msa_attend, selection_info
 from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
 
@@ -46,16 +57,23 @@ __all__ = [
     "HF_MODEL_TYPES",
     "MSASettings",
     "MSAWrappedModel",
+    "add_index_branches",
     "convert_dense_to_msa",
+    "init_index_from_qk",
+    "is_msa_folder",
     "load_for_conversion",
+    "msa_hf_classes",
     "register_hf_attention",
+    "register_transformers",
 ]
 
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-MSA_FILE = "msakit_msa.json"
-INDEX_WEIGHTS = "msakit_index.safetensors"
+MSA_PREFIX = "msakit_"  # model_type of a saved MSA folder: "msakit_<family>"
+CONFIG_KEY = "msakit_msa"  # config.json key of the MSASettings
 ATTN_IMPL = "msakit_msa"
-_INDEX_KEYS = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+INDEX_INITS = ("random", "qk")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +89,7 @@ def load_for_conversion(path: str | os.PathLike[str], device: Any = None, dtype:
     folder = Path(path)
     raw, cfg_path = read_config_json(folder / "config.json", "config.json")
     model_type = raw.get("model_type")
-    if (folder / MSA_FILE).is_file():
+    if is_msa_folder(folder):
         return MSAWrappedModel.from_pretrained(folder, device=device, dtype=dtype)
     if model_type in M3_MODEL_TYPES:
         return M3ForCausalLM.from_pretrained(folder, device=device, dtype=dtype)
@@ -92,13 +110,18 @@ def convert_dense_to_msa(
     rotary_dim: int | None = None,
     layers: Sequence[int] | None = None,
     seed: int = 0,
+    index_init: str = "random",
     device: Any = None,
     dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Add MSA index branches to a dense model; returns a model in "dense" mode whose outputs
     equal the source's.  Unset sizes default to the source config's (msakit) or to
     index_head_dim = head_dim, block 128, top-16, local 1, init 0, rotary_dim = min(64, Di / 2) (HF).
-    `layers`: which layers get an index branch (default every dense-attention layer)."""
+    `layers`: which layers get an index branch (default every dense-attention layer).
+    index_init: "random" (normal(0, initializer_range), seeded) or "qk" (`init_index_from_qk`: from
+    the main q/k projections; HF models then default to rotary_dim = head_dim, the main RoPE's)."""
+    if index_init not in INDEX_INITS:
+        raise ValueError(f"index_init must be one of {INDEX_INITS}, got {index_init!r}")
     for name, val, lo in (("index_head_dim", index_head_dim, 1), ("block_size", block_size, 1),
                           ("topk_blocks", topk_blocks, 1), ("local_blocks", local_blocks, 0),
                           ("init_blocks", init_blocks, 0), ("rotary_dim", rotary_dim, 0)):
@@ -115,11 +138,18 @@ def convert_dense_to_msa(
         if rotary_dim is not None and rotary_dim != model.config.rotary_dim:
             raise ValueError(f"rotary_dim={rotary_dim}: an M3 index branch uses the main branch's partial RoPE "
                              f"(rotary_dim={model.config.rotary_dim})")
-        return _convert_m3(model, **opts)
-    if _is_hf_causal_lm(model):
-        return MSAWrappedModel.wrap(model, rotary_dim=rotary_dim, **opts)
-    raise ValueError(f"cannot convert a {type(model).__name__}: expected an M3ForCausalLM, an HF causal LM "
+        new = _convert_m3(model, **opts)
+    elif _is_hf_causal_lm(model):
+        if index_init == "qk" and rotary_dim is None:
+            cfg = model.config
+            rotary_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        new = MSAWrappedModel.wrap(model, rotary_dim=rotary_dim, **opts)
+    else:
+        raise ValueError(f"cannot convert a {type(model).__name__}: expected an M3ForCausalLM, an HF causal LM "
                      f"({', '.join(HF_MODEL_TYPES)}) or a model folder")
+    if index_init == "qk":
+        init_index_from_qk(new)
+    return new
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +199,7 @@ def _convert_m3(
     new.to(p.dtype)
     new.to_empty(device=p.device)
     missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
-    fresh = [n for n in missing if any(f".self_attn.{k}." in n for k in _INDEX_KEYS)]
+    fresh = [n for n in missing if any(f".self_attn.{k}." in n for k in INDEX_MODULES)]
     if unexpected or len(fresh) != len(missing):
         raise ValueError(f"conversion mismatch: missing {sorted(set(missing) - set(fresh))[:6]}, unexpected {unexpected[:6]}")
     params = dict(new.named_parameters())
@@ -240,21 +270,24 @@ def _rope_theta(cfg: Any) -> float:
 class _CallState:
     """Per-forward settings and results shared by the wrapper and its patched attention modules."""
 
-    def __init__(self, sel: MSAConfig) -> None:
+    def __init__(self, sel: MSAConfig, settings: MSASettings) -> None:
         self.sel = sel
-        self.mode = "dense"
+        self.settings = settings
+        self.mode = settings.mode
         self.compute_kl = False
         self.want_inputs = False
         self.segments: list[tuple[int, int]] = []
         self.positions: torch.Tensor | None = None
+        self.cache: Any = None  # a msakit.cache.KVCacheProtocol during a cached wrapper forward
         self.kls: list[torch.Tensor] = []
         self.inputs: dict[int, dict[str, Any]] = {}
         self.policy: Callable[..., torch.Tensor] | None = None  # `MSAWrappedModel.set_selection_policy`
 
 
 def _capture_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    h = kwargs.get("hidden_states", args[0] if args else None)
-    module.__dict__["_msakit_hidden"] = h
+    """Forward pre-hook of a converted attention module: its input and HF's cache object (if any)."""
+    module.__dict__["_msakit_hidden"] = kwargs.get("hidden_states", args[0] if args else None)
+    module.__dict__["_msakit_hf_cache"] = kwargs.get("cache", kwargs.get("past_key_values"))
 
 
 def _index_project(module: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, sel: MSAConfig):
@@ -267,25 +300,61 @@ def _index_project(module: nn.Module, hidden: torch.Tensor, positions: torch.Ten
     return apply_partial_rope(q_idx, cos, sin), apply_partial_rope(k_idx, cos, sin).squeeze(2)
 
 
+def _held_index_keys(hf_cache: Any, layer: int, k_idx: torch.Tensor, past: int) -> torch.Tensor:
+    """The index keys [B, past + Tq, Di] of every position HF's cache holds for `layer`: those kept
+    beside the cache (attribute `msakit_index_keys`, cut to `past` after a crop) + the new ones."""
+    store = hf_cache.__dict__.setdefault("msakit_index_keys", {})
+    held = store.get(layer)
+    if past and (held is None or held.shape[1] < past):
+        raise ValueError("the HF cache holds keys written without msakit's attention (no index keys for them)")
+    if past:
+        k_idx = torch.cat([held[:, :past], k_idx], dim=1)
+    store[layer] = k_idx
+    return k_idx
+
+
 def _msa_attention_interface(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention interface "msakit_msa": HF's q/k/v [B, H, T, D] after RoPE."""
+    """transformers attention interface "msakit_msa": HF's q/k/v [B, H, T, D] after RoPE.
+
+    Three ways in: the wrapper's cached forward (a msakit cache: HF ran without its own, q/k/v
+    are the new positions'; the cache writes and attends), HF's own cache (plain transformers
+    generate: key/value hold every position; the index keys are kept beside HF's cache), or a
+    full sequence (training, prefill: `msa_attend`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     st: _CallState | None = module.__dict__.get("_msakit_state")
     hidden = module.__dict__.pop("_msakit_hidden", None)
+    hf_cache = module.__dict__.pop("_msakit_hf_cache", None)
     layer = module.__dict__.get("_msakit_layer")
     if st is None or layer is None or hidden is None:  # not converted: HF's own SDPA math
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if query.shape[2] != key.shape[2]:
-        raise ValueError("MSAWrappedModel does not run with an HF KV cache (call it with use_cache=False)")
     q = query.transpose(1, 2).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
-    T = q.shape[1]
-    positions = st.positions if st.positions is not None else torch.arange(T, device=q.device).unsqueeze(0)
-    segments = st.segments or [(0, T)]  # the HF model called directly, not through the wrapper
-    q_idx, k_idx = _index_project(module, hidden, positions, st.sel)
+    Tq, Tk = q.shape[1], k.shape[1]
     sel = st.sel
+    if st.cache is not None:
+        if scaling is not None and abs(scaling * math.sqrt(q.shape[-1]) - 1.0) > 1e-6:
+            raise ValueError(f"msakit's caches attend with scale 1/sqrt(head_dim); this model uses {scaling}")
+        q_idx, k_idx = _index_project(module, hidden, st.positions, sel)
+        st.cache.write(layer, k, v, k_idx)
+        return st.cache.attend(layer, q, q_idx, sel, st.mode), None
+    positions = st.positions
+    if positions is None:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(Tk - Tq, Tk, device=q.device).unsqueeze(0)
+    q_idx, k_idx = _index_project(module, hidden, positions, sel)
+    if hf_cache is not None:
+        k_idx = _held_index_keys(hf_cache, layer, k_idx, Tk - Tq)
+        if Tq != Tk:
+            if st.mode == "sparse":
+                return msa_attend(q, k, v, q_idx, k_idx, sel, mode="sparse", compute_kl=False, softmax_scale=scaling)[0], None
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+    elif Tq != Tk:
+        raise ValueError(f"{Tk} keys for {Tq} queries without a cache")
+    segments = st.segments or [(0, Tq)]  # the HF model called directly, not through the wrapper
     select = None
     if st.policy is not None and st.mode == "sparse":
         if len(segments) > 1:
@@ -294,12 +363,13 @@ def _msa_attention_interface(module, query, key, value, attention_mask, dropout=
     if st.mode == "dense" and len(segments) == 1:
         o, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         kl = bidx = None
-        if st.compute_kl or st.want_inputs:
+        if st.want_inputs or (st.compute_kl and sel.kl_tokens == "selected"):
             with torch.no_grad():
                 bidx = ops.index_topk(q_idx, k_idx, block_size=sel.block_size, topk=sel.topk,
                                       local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
-            if st.compute_kl:
-                kl = ops.index_kl_loss(q, k, q_idx, k_idx, bidx, block_size=sel.block_size, softmax_scale=scaling)
+        if st.compute_kl:
+            kl = ops.index_kl_loss(q, k, q_idx, k_idx, bidx, block_size=sel.block_size, softmax_scale=scaling,
+                                   over=sel.kl_tokens)
     else:
         o, kl, bidx = msa_attend(q, k, v, q_idx, k_idx, sel, mode=st.mode, compute_kl=st.compute_kl,
                                  need_block_idx=st.want_inputs, segments=segments, softmax_scale=scaling,
@@ -325,55 +395,143 @@ def register_hf_attention(name: str, fn: Callable[..., Any]) -> None:
         _registered.add(name)
 
 
-class MSAWrappedModel(nn.Module):
-    """An HF causal LM with MSA index branches; `M3ForCausalLM`'s training interface."""
+def msa_config(hf_config: Any, settings: MSASettings) -> MSAConfig:
+    """The MSAConfig of an HF model's converted layers."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if settings.rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim={settings.rotary_dim} exceeds head_dim={head_dim}")
+    return MSAConfig(
+        hidden_size=hf_config.hidden_size, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        index_dim=settings.index_head_dim, rotary_dim=settings.rotary_dim, rope_theta=settings.rope_theta,
+        rms_norm_eps=settings.rms_norm_eps, block_size=settings.block_size, topk=settings.topk_blocks,
+        local_blocks=settings.local_blocks, init_blocks=settings.init_blocks,
+    )
 
-    def __init__(self, hf_model: nn.Module, settings: MSASettings, *, seed: int | None = 0) -> None:
+
+def add_index_branches(hf_model: nn.Module, settings: MSASettings, *, seed: int | None = 0) -> None:
+    """Give each of `settings.layers` of an HF causal LM an index branch (in place; the M3 names
+    under `self_attn.`) and switch it to msakit's attention implementation.  seed None leaves the
+    new projections uninitialised (weights loaded next)."""
+    cfg = hf_model.config
+    base = base_model_type(cfg.model_type)
+    if base not in HF_MODEL_TYPES:
+        raise ValueError(f"HF model_type {cfg.model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})")
+    if getattr(cfg, "use_sliding_window", False) or (getattr(cfg, "sliding_window", None) and base == "mistral"):
+        raise ValueError("sliding-window attention is not supported by the MSA wrapper")
+    if "_msakit_state" in hf_model.__dict__:
+        raise ValueError("the model already has MSA index branches")
+    register_transformers()
+    n_layers = len(hf_model.model.layers)
+    if settings.layers is None:
+        settings.layers = list(range(n_layers))
+    bad = [i for i in settings.layers if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"layers {bad} out of range (the model has {n_layers})")
+    sel = msa_config(cfg, settings)
+    state = _CallState(sel, settings)
+    H, G, Di = cfg.hidden_size, sel.num_kv_heads, settings.index_head_dim
+    fresh: list[torch.Tensor] = []
+    for i in settings.layers:
+        attn = hf_model.model.layers[i].self_attn
+        w = attn.q_proj.weight
+        attn.index_q_proj = nn.Linear(H, G * Di, bias=False, device=w.device, dtype=w.dtype)
+        attn.index_k_proj = nn.Linear(H, Di, bias=False, device=w.device, dtype=w.dtype)
+        attn.index_q_norm = GemmaRMSNorm(Di, settings.rms_norm_eps).to(device=w.device, dtype=w.dtype)
+        attn.index_k_norm = GemmaRMSNorm(Di, settings.rms_norm_eps).to(device=w.device, dtype=w.dtype)
+        fresh += [attn.index_q_proj.weight, attn.index_k_proj.weight]
+        attn.__dict__["_msakit_state"] = state
+        attn.__dict__["_msakit_layer"] = i
+        attn.register_forward_pre_hook(_capture_hidden, with_kwargs=True)
+    if seed is not None and not any(t.is_meta for t in fresh):
+        _normal_init(fresh, float(getattr(cfg, "initializer_range", 0.02)), seed)
+    hf_model.__dict__["_msakit_state"] = state
+    hf_model.set_attn_implementation(ATTN_IMPL)
+
+
+# -- transformers classes of saved MSA folders ----------------------------------------------------
+# A saved MSA model's config.json says model_type "msakit_<family>" and holds the settings under
+# CONFIG_KEY; these classes (registered with AutoConfig / AutoModelForCausalLM) build the family's
+# model and add the index branches, so `AutoModelForCausalLM.from_pretrained(folder)` loads every
+# weight, index branches included, and runs MSA through the attention interface.
+
+
+def base_model_type(model_type: str) -> str:
+    """"msakit_qwen2" -> "qwen2"; other names unchanged."""
+    return model_type[len(MSA_PREFIX):] if model_type.startswith(MSA_PREFIX) else model_type
+
+
+_MSA_CLASSES: dict[str, tuple[type, type]] = {}
+
+
+def msa_hf_classes(family: str) -> tuple[type, type]:
+    """(config class, causal-LM class) of saved MSA models of `family` ("qwen2", ...), registered
+    with transformers' auto classes at the first call."""
+    if family not in HF_MODEL_TYPES:
+        raise ValueError(f"family must be one of {HF_MODEL_TYPES}, got {family!r}")
+    if family not in _MSA_CLASSES:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        base_cfg = CONFIG_MAPPING[family]
+        base_model = MODEL_FOR_CAUSAL_LM_MAPPING[base_cfg]
+        cfg_cls = type(f"MSA{base_cfg.__name__}", (base_cfg,), {"model_type": MSA_PREFIX + family})
+
+        def __init__(self, config, *args, **kwargs):  # noqa: N807
+            base_model.__init__(self, config, *args, **kwargs)
+            add_index_branches(self, MSASettings.from_dict(getattr(config, CONFIG_KEY)), seed=0)
+
+        model_cls = type(f"MSA{base_model.__name__}", (base_model,), {"config_class": cfg_cls, "__init__": __init__})
+        AutoConfig.register(MSA_PREFIX + family, cfg_cls, exist_ok=True)
+        AutoModelForCausalLM.register(cfg_cls, model_cls, exist_ok=True)
+        _MSA_CLASSES[family] = (cfg_cls, model_cls)
+    return _MSA_CLASSES[family]
+
+
+def register_transformers() -> None:
+    """Register msakit's attention implementation and the saved-MSA-model classes of every
+    supported family with transformers (idempotent; `import msakit` calls it once transformers
+    is imported)."""
+    register_hf_attention(ATTN_IMPL, _msa_attention_interface)
+    for family in HF_MODEL_TYPES:
+        msa_hf_classes(family)
+
+
+def is_msa_folder(folder: str | os.PathLike[str]) -> bool:
+    """Whether `folder` holds a saved MSA model (config.json model_type "msakit_<family>")."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    mt = raw.get("model_type") if isinstance(raw, dict) else None
+    return isinstance(mt, str) and mt.startswith(MSA_PREFIX) and base_model_type(mt) in HF_MODEL_TYPES
+
+
+class MSAWrappedModel(nn.Module):
+    """An HF causal LM with MSA index branches; `M3ForCausalLM`'s training interface.
+
+    `MSAWrappedModel(hf_model, settings)` adds the index branches to a plain HF model in place;
+    an HF model that already has them (loaded from a saved MSA folder) is wrapped as it is
+    (settings None)."""
+
+    def __init__(self, hf_model: nn.Module, settings: MSASettings | None = None, *, seed: int | None = 0) -> None:
         super().__init__()
-        register_hf_attention(ATTN_IMPL, _msa_attention_interface)
-        cfg = hf_model.config
-        if cfg.model_type not in HF_MODEL_TYPES:
-            raise ValueError(f"HF model_type {cfg.model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})")
-        if getattr(cfg, "use_sliding_window", False) or (getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral"):
-            raise ValueError("sliding-window attention is not supported by the MSA wrapper")
+        if "_msakit_state" not in hf_model.__dict__:
+            if settings is None:
+                raise ValueError("settings are required for an HF model without index branches")
+            add_index_branches(hf_model, settings, seed=seed)
+        elif settings is not None:
+            raise ValueError("the HF model already has index branches: pass settings=None")
         self.hf = hf_model
-        self.settings = settings
-        n_layers = len(hf_model.model.layers)
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        if settings.layers is None:
-            settings.layers = list(range(n_layers))
-        bad = [i for i in settings.layers if not 0 <= i < n_layers]
-        if bad:
-            raise ValueError(f"layers {bad} out of range (the model has {n_layers})")
-        if settings.rotary_dim > head_dim:
-            raise ValueError(f"rotary_dim={settings.rotary_dim} exceeds head_dim={head_dim}")
-        self.sel = MSAConfig(
-            hidden_size=cfg.hidden_size, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-            index_dim=settings.index_head_dim, rotary_dim=settings.rotary_dim, rope_theta=settings.rope_theta,
-            rms_norm_eps=settings.rms_norm_eps, block_size=settings.block_size, topk=settings.topk_blocks,
-            local_blocks=settings.local_blocks, init_blocks=settings.init_blocks,
-        )
-        self._state = _CallState(self.sel)
-        H, G, Di = cfg.hidden_size, kv, settings.index_head_dim
-        fresh: list[torch.Tensor] = []
-        self._hooks = []
-        for i in settings.layers:
-            attn = hf_model.model.layers[i].self_attn
-            w = attn.q_proj.weight
-            attn.index_q_proj = nn.Linear(H, G * Di, bias=False, device=w.device, dtype=w.dtype)
-            attn.index_k_proj = nn.Linear(H, Di, bias=False, device=w.device, dtype=w.dtype)
-            attn.index_q_norm = GemmaRMSNorm(Di, settings.rms_norm_eps).to(device=w.device, dtype=w.dtype)
-            attn.index_k_norm = GemmaRMSNorm(Di, settings.rms_norm_eps).to(device=w.device, dtype=w.dtype)
-            fresh += [attn.index_q_proj.weight, attn.index_k_proj.weight]
-            attn.__dict__["_msakit_state"] = self._state
-            attn.__dict__["_msakit_layer"] = i
-            self._hooks.append(attn.register_forward_pre_hook(_capture_hidden, with_kwargs=True))
-        if seed is not None:
-            _normal_init(fresh, float(getattr(cfg, "initializer_range", 0.02)), seed)
-        hf_model.set_attn_implementation(ATTN_IMPL)
-        self.set_attention_mode(settings.mode)
+        self._state: _CallState = hf_model.__dict__["_msakit_state"]
+        self.settings = self._state.settings
+        self.set_attention_mode(self.settings.mode)
+
+    @property
+    def sel(self) -> MSAConfig:
+        return self._state.sel
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -407,6 +565,16 @@ class MSAWrappedModel(nn.Module):
         self._state.mode = mode
         self.settings.mode = mode
 
+    def set_kl_tokens(self, tokens: str) -> None:
+        """The index KL over the "selected" tokens (default) or over "all" causal tokens."""
+        if tokens not in KL_TOKENS:
+            raise ValueError(f"tokens must be one of {KL_TOKENS}, got {tokens!r}")
+        self._state.sel = dataclasses.replace(self._state.sel, kl_tokens=tokens)
+
+    def index_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The index branches' parameters (name as in named_parameters(), parameter)."""
+        return index_parameters(self)
+
     def set_selection_policy(self, policy: Callable[..., torch.Tensor] | None) -> None:
         """Replace the indexer's selection in sparse mode (evaluation): policy(layer_idx, q
         [B,T,Hq,D], k [B,T,G,D], q_idx, k_idx, cfg) -> block_idx int32 [B, G, T, K]; None
@@ -421,10 +589,35 @@ class MSAWrappedModel(nn.Module):
             raise ValueError("this model has no MoE layers; expert_load must be empty")
 
     def gradient_checkpointing_enable(self, enabled: bool = True) -> None:
-        if enabled:
-            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
+        """Recompute each HF decoder layer in backward.  The recomputation runs after this
+        forward has reset its per-call state, so each layer's checkpoint saves the state of its
+        forward and restores it around the recomputation (`context_fn`); the recomputed KL terms
+        are dropped, not collected again."""
+        if not enabled:
             self.hf.gradient_checkpointing_disable()
+            return
+        st = self._state
+        keys = ("compute_kl", "want_inputs", "segments", "positions", "mode", "sel", "policy")
+
+        def context_fn():
+            saved = {k: getattr(st, k) for k in keys}
+
+            @contextlib.contextmanager
+            def recompute():
+                now = {k: getattr(st, k) for k in keys + ("kls", "inputs")}
+                for k, v in saved.items():
+                    setattr(st, k, v)
+                st.kls, st.inputs = [], {}
+                try:
+                    yield
+                finally:
+                    for k, v in now.items():
+                        setattr(st, k, v)
+
+            return contextlib.nullcontext(), recompute()
+
+        self.hf.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
 
     # -- forward -----------------------------------------------------------------------------
     def forward(
@@ -436,27 +629,50 @@ class MSAWrappedModel(nn.Module):
         compute_kl: bool = True,
         return_attn_inputs: bool = False,
         output_hidden_states: bool = False,
+        cache: KVCacheProtocol | None = None,
+        logits_to_keep: int = 0,
     ) -> M3Output:
+        """input_ids [B, T] -> M3Output (as `M3ForCausalLM.forward`).  With `cache` (a
+        `msakit.cache.KVCacheProtocol`: generation) the T tokens are new positions: every converted
+        layer writes their keys into it and attends what it holds; logits only, no KL.
+        `logits_to_keep` > 0: logits of the last that many positions only."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape [B, T], got {tuple(input_ids.shape)}")
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an integer >= 0, got {logits_to_keep!r}")
         B, T = input_ids.shape
+        st = self._state
+        if cache is not None:
+            if cu_seqlens is not None or labels is not None or return_attn_inputs:
+                raise ValueError("a cached forward takes no cu_seqlens, labels or return_attn_inputs")
+            if len(self.settings.layers) != len(self.hf.model.layers):
+                raise ValueError("a cached forward needs an index branch in every layer (settings.layers)")
+            pos = positions if positions is not None else cache.positions(B, T, input_ids.device)
+            st.cache, st.positions, st.segments = cache, pos, [(0, T)]
+            try:
+                out = self.hf(input_ids=input_ids, position_ids=pos, use_cache=False, logits_to_keep=logits_to_keep)
+            finally:
+                st.cache, st.positions, st.segments = None, None, []
+            cache.advance(T)
+            return M3Output(logits=out.logits)
         segments = document_segments(cu_seqlens, B, T)
         position_ids = positions
         if position_ids is None and len(segments) > 1:
             position_ids = segment_positions(segments, T, input_ids.device)
-        st = self._state
         st.compute_kl, st.want_inputs, st.segments = compute_kl, return_attn_inputs, segments
         st.positions = position_ids if position_ids is not None else torch.arange(T, device=input_ids.device).unsqueeze(0)
         st.kls, st.inputs = [], {}
         try:
             out = self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                          output_hidden_states=output_hidden_states)
+                          output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep)
             kls, inputs = st.kls, st.inputs
         finally:
             st.kls, st.inputs, st.positions, st.segments = [], {}, None, []
             st.compute_kl = st.want_inputs = False
         logits = out.logits
         kl = torch.stack([x.float() for x in kls]).sum() if kls else torch.zeros((), device=logits.device)
+        if labels is not None and 0 < logits_to_keep < T:
+            raise ValueError("labels need the logits of every position (logits_to_keep=0)")
         loss = lm_loss(logits, labels, segments) if labels is not None else None
         attn_inputs = None
         if return_attn_inputs:
@@ -466,51 +682,95 @@ class MSAWrappedModel(nn.Module):
             attn_inputs=attn_inputs, hidden_states=list(out.hidden_states) if output_hidden_states else None,
         )
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, generator: torch.Generator | None = None,
-                 streamer: Callable[[torch.Tensor], Any] | None = None, eos_token_id: Any = None) -> torch.Tensor:
-        """Sampling by recomputing the sequence each step (no KV cache for the wrapper)."""
-        from msakit.generate import generate_uncached
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+        """Cached generation (`msakit.generate.generate` with the contiguous `KVCache`); takes its
+        keyword arguments (temperature, top_k, top_p, generator, streamer, eos_token_id, ...)."""
+        from msakit.generate import generate
 
-        return generate_uncached(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 generator=generator, streamer=streamer, eos_token_id=eos_token_id)
+        kwargs.setdefault("cache", "contiguous")
+        return generate(self, input_ids, max_new_tokens, **kwargs)
 
     # -- I/O ---------------------------------------------------------------------------------
-    def _index_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.hf.state_dict().items() if any(f".self_attn.{n}." in k for n in _INDEX_KEYS)}
-
-    def save_pretrained(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
-        """The HF model as HF writes it (without the index branch) + msakit_index.safetensors
-        (index weights under the M3 names) + msakit_msa.json (settings)."""
-        from safetensors.torch import save_file
-
+    def save_pretrained(self, path: str | os.PathLike[str], *, tokenizer: Any = None, **kwargs: Any) -> None:
+        """An HF folder that transformers loads once msakit is imported: every weight (index
+        branches included, M3 names under `self_attn.`) as HF writes it, config.json with
+        model_type "msakit_<family>" and the settings under "msakit_msa", and the tokenizer
+        (`tokenizer`: an object with save_pretrained or save; default: the tokenizer files of the
+        folder the model was loaded from, when there are any)."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        index = self._index_state()
-        rest = {k: v for k, v in self.hf.state_dict().items() if k not in index}
-        self.hf.save_pretrained(str(folder), state_dict=rest, **kwargs)
-        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in index.items()},
-                  str(folder / INDEX_WEIGHTS), metadata={"format": "pt"})
-        (folder / MSA_FILE).write_text(json.dumps(self.settings.to_dict(), indent=2) + "\n", encoding="utf-8")
+        self.hf.save_pretrained(str(folder), **kwargs)
+        cfg_path = folder / "config.json"
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+        family = base_model_type(raw.get("model_type", self.hf.config.model_type))
+        raw["model_type"] = MSA_PREFIX + family
+        raw["architectures"] = [msa_hf_classes(family)[1].__name__]
+        raw[CONFIG_KEY] = self.settings.to_dict()
+        cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            (tokenizer.save_pretrained if hasattr(tokenizer, "save_pretrained") else tokenizer.save)(str(folder))
+            return
+        source = Path(str(getattr(self.hf, "name_or_path", "") or ""))
+        if source.is_dir() and source.resolve() != folder.resolve():
+            for name in TOKENIZER_FILES:
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, folder / name)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], device: Any = None, dtype: torch.dtype | None = None) -> "MSAWrappedModel":
-        from safetensors.torch import load_file
+        """Load a folder written by `save_pretrained` (every weight must be in it)."""
+        from transformers import AutoModelForCausalLM
 
         folder = Path(path)
-        settings = MSASettings.from_dict(json.loads((folder / MSA_FILE).read_text(encoding="utf-8")))
-        hf = _load_hf(folder, device, dtype)
-        model = cls(hf, settings, seed=None)
-        tensors = load_file(str(folder / INDEX_WEIGHTS))
-        own = model._index_state()
-        missing, unexpected = set(own) - set(tensors), set(tensors) - set(own)
-        if missing or unexpected:
-            raise ValueError(f"{folder / INDEX_WEIGHTS} does not match the model: missing {sorted(missing)[:6]}, "
-                             f"unexpected {sorted(unexpected)[:6]}")
-        with torch.no_grad():
-            for k, t in tensors.items():
-                if tuple(t.shape) != tuple(own[k].shape):
-                    raise ValueError(f"{k}: checkpoint shape {list(t.shape)} but model {list(own[k].shape)}")
-                own[k].copy_(t)
-        return model
+        if not is_msa_folder(folder):
+            raise ValueError(f"{folder} is not a saved MSA model (config.json model_type 'msakit_<family>')")
+        register_transformers()
+        hf, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32, local_files_only=True,
+                                                        output_loading_info=True)
+        if info.get("missing_keys"):
+            raise ValueError(f"{folder}: weights missing from the checkpoint: {sorted(info['missing_keys'])[:6]}")
+        if device is not None:
+            hf.to(device)
+        return cls(hf)
 
+
+# ---------------------------------------------------------------------------------------------
+# Index initialisation from the main branch
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def init_index_from_qk(model: nn.Module) -> None:
+    """Initialise every index branch from its layer's main q/k projections, so that the index
+    scores start close to the group-averaged main scores: index_q_proj of group g = the mean of
+    q_proj over g's query heads, index_k_proj (one index key head) = the mean of k_proj over the
+    KV heads; the index norms take the main q/k norms' scales (M3, Qwen3) or scale 1 (models
+    without q/k norms).  q/k biases have no counterpart in the index branch.  Needs index_head_dim ==
+    head_dim; for HF models the index RoPE should rotate what the main RoPE rotates
+    (rotary_dim = head_dim, which `convert_dense_to_msa(index_init="qk")` picks)."""
+    if isinstance(model, MSAWrappedModel):
+        attns = [model.hf.model.layers[i].self_attn for i in model.settings.layers]
+        sel = model.sel
+    elif isinstance(model, M3ForCausalLM):
+        attns = model.msa_layers()
+        if not attns:
+            raise ValueError("the model has no MSA layers")
+        sel = attns[0].cfg
+    else:
+        raise ValueError(f"init_index_from_qk takes an MSAWrappedModel or an M3ForCausalLM, got {type(model).__name__}")
+    Hq, G, D, Di = sel.num_heads, sel.num_kv_heads, sel.head_dim, sel.index_dim
+    if Di != D:
+        raise ValueError(f"init_index_from_qk needs index_head_dim == head_dim, got {Di} and {D}")
+    for attn in attns:
+        wq = attn.q_proj.weight.float().view(G, Hq // G, D, -1)
+        wk = attn.k_proj.weight.float().view(G, D, -1)
+        attn.index_q_proj.weight.copy_(wq.mean(1).reshape(G * D, -1))
+        attn.index_k_proj.weight.copy_(wk.mean(0))
+        for main, index in (("q_norm", attn.index_q_norm), ("k_norm", attn.index_k_norm)):
+            norm = getattr(attn, main, None)
+            if isinstance(norm, GemmaRMSNorm):
+                index.weight.copy_(norm.weight)
+            elif isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.shape == index.weight.shape:
+                index.weight.copy_(norm.weight.float() - 1.0)  # HF RMSNorm scales by weight, Gemma's by 1 + weight
+            else:
+                index.weight.zero_()

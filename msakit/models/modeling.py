@@ -25,6 +25,7 @@ Block ids in `attn_inputs` are then relative to each document's start.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from msakit.cache.base import KVCacheProtocol
 from msakit.models.config import M3Config
-from msakit.nn.attention import MODES, MSAAttention, MSAConfig
+from msakit.nn.attention import INDEX_MODULES, KL_TOKENS, MODES, MSAAttention, MSAConfig
 from msakit.nn.mlp import SwiGLUMLP
 from msakit.nn.moe import MoE
 from msakit.nn.norm import GemmaRMSNorm
@@ -48,6 +49,7 @@ __all__ = [
     "M3Model",
     "M3ForCausalLM",
     "document_segments",
+    "index_parameters",
     "segment_positions",
     "lm_loss",
     "parameter_counts",
@@ -197,6 +199,12 @@ class M3Model(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def index_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every index-branch parameter of `model` (modules named as
+    `INDEX_MODULES` under an attention module), in named_parameters() order."""
+    return [(n, p) for n, p in model.named_parameters() if any(f".{m}." in f".{n}" for m in INDEX_MODULES)]
+
+
 class M3ForCausalLM(nn.Module):
     """The causal LM.  See the package docstring (`msakit.models`) for the interface."""
 
@@ -237,6 +245,19 @@ class M3ForCausalLM(nn.Module):
         for attn in self.msa_layers():
             attn.mode = mode
         self._mode = mode
+
+    def set_kl_tokens(self, tokens: str) -> None:
+        """The index KL over the "selected" tokens (default) or over "all" causal tokens, for all
+        MSA layers (`MSAConfig.kl_tokens`)."""
+        if tokens not in KL_TOKENS:
+            raise ValueError(f"tokens must be one of {KL_TOKENS}, got {tokens!r}")
+        for attn in self.msa_layers():
+            attn.cfg = dataclasses.replace(attn.cfg, kl_tokens=tokens)
+
+    def index_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The index branches' parameters (name as in named_parameters(), parameter): what the
+        index-only warm-up trains."""
+        return index_parameters(self)
 
     def set_selection_policy(self, policy: Callable[..., torch.Tensor] | None) -> None:
         """Replace the indexer's selection in every MSA layer's full-sequence forward (evaluation):

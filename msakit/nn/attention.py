@@ -10,8 +10,8 @@ Data flow of one layer (training):
     kl = index_kl_loss(q, k, q_idx, k_idx, block_idx)  (P detached; grads reach the index branch only)
 
 In dense mode the indexer still learns: it selects blocks with its own top-k and the KL is taken
-over those selected tokens, exactly as in sparse mode; only the main branch's output ignores the
-selection.  This is the seed's full-attention warm-up.  The index branch reads `hidden.detach()`
+over those selected tokens, exactly as in sparse mode (or over every causal token with the
+config's `kl_tokens="all"`); only the main branch's output ignores the selection.  This is the seed's full-attention warm-up.  The index branch reads `hidden.detach()`
 (the seed's stop-gradient on the indexer's input), and P is detached inside `index_kl_loss`, so
 the KL term never reaches the backbone.
 
@@ -27,9 +27,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from msakit import ops
+from msakit.ops.index_topk.reference import index_topk_reference
+from msakit.ops.sparse_attention.reference import sparse_attention_reference
 from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
 
@@ -37,6 +40,9 @@ if TYPE_CHECKING:
     from msakit.cache.base import KVCacheProtocol
 
 MODES = ("dense", "sparse")
+KL_TOKENS = ("selected", "all")
+# the index branch's modules under an attention module (HF MiniMax-M3 names)
+INDEX_MODULES = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 
 
 @dataclass
@@ -55,6 +61,7 @@ class MSAConfig:
     topk: int = 16  # sparse_topk_blocks
     local_blocks: int = 1  # sparse_local_block
     init_blocks: int = 0  # sparse_init_block
+    kl_tokens: str = "selected"  # the KL over the selected tokens or over "all" causal tokens
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "index_dim", "block_size", "topk"):
@@ -68,6 +75,8 @@ class MSAConfig:
         from msakit.ops.index_topk import check_selection
 
         check_selection(self.block_size, self.topk, self.local_blocks, self.init_blocks)
+        if self.kl_tokens not in KL_TOKENS:
+            raise ValueError(f"kl_tokens must be one of {KL_TOKENS}, got {self.kl_tokens!r}")
 
 
 
@@ -86,18 +95,41 @@ def msa_attend(
     softmax_scale: float | None = None,
     select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One layer's attention core on projected tensors (full sequences: training, prefill).
+    """One layer's attention core on projected tensors (full sequences: training, prefill; or the
+    last T of Tk held positions: a cache's later steps).
 
-    q [B,T,Hq,D], k/v [B,T,G,D], q_idx [B,T,G,Di] / k_idx [B,T,Di] (None: a dense layer without an
-    index branch).  Returns (o [B,T,Hq,D], KL term or None, block_idx [B,G,T,K] or None).  The
-    selection (`select(q_idx, k_idx)`, default `ops.index_topk` with sel's settings) is made
-    when the mode is "sparse", the KL is wanted or `need_block_idx`; per document when
-    `segments` has several entries (KL averaged over all query rows).
+    q [B,T,Hq,D], k/v [B,Tk,G,D], q_idx [B,T,G,Di] / k_idx [B,Tk,Di] (None: a dense layer without an
+    index branch).  With Tk > T (no KL, no block ids, no packing): sparse mode with an index branch
+    selects with the indexer's reference over every held index key and attends those blocks (the
+    reference ops take T < Tk); otherwise every key with a bottom-right causal mask (SDPA).
+
+    Returns (o [B,T,Hq,D], KL term or None, block_idx [B,G,T,K] or None).  The selection
+    (`select(q_idx, k_idx)`, default `ops.index_topk` with sel's settings) is made when the mode
+    is "sparse", the KL is wanted (over the selected tokens) or `need_block_idx`; per document
+    when `segments` has several entries (KL averaged over all query rows).
     """
-    T = q.shape[1]
+    T, Tk = q.shape[1], k.shape[1]
+    if T != Tk:  # the queries of the last T of Tk held positions (a cache's later steps)
+        if T > Tk or compute_kl or need_block_idx or (segments is not None and len(segments) > 1):
+            raise ValueError(f"{T} queries over {Tk} keys: the queries must be the last positions, without "
+                             "KL, block ids or packed documents")
+        scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+        if mode == "sparse" and q_idx is not None:
+            bi = index_topk_reference(q_idx, k_idx, block_size=sel.block_size, topk=sel.topk,
+                                      local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
+            return sparse_attention_reference(q, k, v, bi, block_size=sel.block_size, softmax_scale=scale), None, None
+        rep = q.shape[2] // k.shape[2]
+        qh = q.transpose(1, 2)
+        kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
+        vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+        rows = torch.arange(Tk - T, Tk, device=q.device).view(-1, 1)
+        mask = torch.arange(Tk, device=q.device).view(1, -1) <= rows  # bottom-right causal
+        o = F.scaled_dot_product_attention(qh, kh.to(qh.dtype), vh.to(qh.dtype), attn_mask=mask, scale=scale)
+        return o.transpose(1, 2), None, None
     segments = segments or [(0, T)]
     has_index = q_idx is not None
-    do_select = has_index and (mode == "sparse" or compute_kl or need_block_idx)
+    kl_all = sel.kl_tokens == "all"
+    do_select = has_index and (mode == "sparse" or (compute_kl and not kl_all) or need_block_idx)
     if select is None:
         def select(qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
@@ -118,8 +150,11 @@ def msa_attend(
         else:
             o = ops.dense_attention(qs, ks, vs, softmax_scale=softmax_scale)
         outs.append(o)
-        if compute_kl and bi is not None:
-            term = ops.index_kl_loss(qs, ks, qis, kis, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
+        if compute_kl and has_index:
+            if not do_select:
+                qis, kis = (q_idx, k_idx) if whole else (q_idx[:, s:e], k_idx[:, s:e])
+            term = ops.index_kl_loss(qs, ks, qis, kis, bi, block_size=sel.block_size, softmax_scale=softmax_scale,
+                                     over=sel.kl_tokens)
             term = term if whole else term * ((e - s) / T)
             kl = term if kl is None else kl + term
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -164,12 +164,18 @@ def autocast_for(device: torch.device):
     return nullcontext()
 
 
-def model_forward(model, batch, *, doc_attention: bool, compute_kl: bool, return_attn_inputs: bool = False):
+def model_forward(model, batch, *, doc_attention: bool, compute_kl: bool, return_attn_inputs: bool = False,
+                  lm: bool = True):
+    """The model on a Batch (packed through cu_seqlens with `doc_attention`).  ``lm=False``: no
+    labels and the logits of the last position only (``logits_to_keep=1``), for a step whose
+    only loss is the index KL (out.loss is then None)."""
+    kw: dict = {"return_attn_inputs": True} if return_attn_inputs else {}
+    if not lm:
+        kw["logits_to_keep"] = 1
     if doc_attention:
         ids, labels, cu = batch.flat()
-        return model(ids, labels=labels, cu_seqlens=cu, compute_kl=compute_kl, return_attn_inputs=return_attn_inputs)
-    kw = {"return_attn_inputs": True} if return_attn_inputs else {}
-    return model(batch.input_ids, labels=batch.labels, compute_kl=compute_kl, **kw)
+        return model(ids, labels=labels if lm else None, cu_seqlens=cu, compute_kl=compute_kl, **kw)
+    return model(batch.input_ids, labels=batch.labels if lm else None, compute_kl=compute_kl, **kw)
 
 
 @torch.no_grad()

@@ -30,7 +30,8 @@ def write_plots(metrics_path: str | os.PathLike, out_dir: str | os.PathLike, *, 
     recs = _records(Path(metrics_path))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train = [r for r in recs if r.get("kind") == "train"]
+    steps = [r["step"] for r in recs if r.get("kind") == "train"]
+    train = [r for r in recs if r.get("kind") == "train" and r.get("loss") is not None]  # no LM loss: index-only
     evals = [r for r in recs if r.get("kind") == "eval" and r.get("mode") in (None, "dense", "sparse") and "val_loss" in r]
     written = []
     if train or evals:
@@ -39,12 +40,16 @@ def write_plots(metrics_path: str | os.PathLike, out_dir: str | os.PathLike, *, 
             ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
         if evals:
             ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation loss", ms=3)
+        for key, mk in (("val_loss_dense", "s-"), ("val_loss_sparse", "^-")):  # evaluations in both modes
+            both = [r for r in evals if key in r]
+            if both:
+                ax.plot([r["step"] for r in both], [r[key] for r in both], mk, label=key.replace("_", " "), ms=3, lw=0.8)
         finals = [r for r in recs if r.get("kind") == "final"]
         for r in finals:
             for key, mk in (("val_loss_dense", "s"), ("val_loss_sparse", "^")):
                 if key in r:
                     ax.plot([r["step"]], [r[key]], mk, label=key.replace("_", " "), ms=6)
-        if switch_step and train and switch_step < train[-1]["step"]:
+        if switch_step and steps and switch_step < steps[-1]:
             ax.axvline(switch_step, color="gray", ls=":", lw=1)
             ax.text(switch_step, ax.get_ylim()[1], " sparse ->", va="top", ha="left", fontsize=8, color="gray")
         ax.set_xlabel("step")

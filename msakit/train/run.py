@@ -159,7 +159,7 @@ def add_optim_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     g.add_argument("--weight-decay", type=NONNEG_FLOAT, default=0.1, help="AdamW weight decay of the matrices")
     g.add_argument("--log-every", type=POS_INT, default=10, metavar="N", help="steps per metrics.jsonl record")
     g.add_argument("--eval-every", type=POS_INT, default=d["eval_every"], metavar="N", help="steps per evaluation")
-    g.add_argument("--eval-rows", type=NONNEG_INT, default=32, metavar="N",
+    g.add_argument("--eval-rows", type=NONNEG_INT, default=d["eval_rows"], metavar="N",
                    help="validation rows per evaluation (0 = no evaluation)")
     g.add_argument("--save-every", type=POS_INT, default=d["save_every"], metavar="N", help="steps per checkpoint")
     g.add_argument("--keep", type=NONNEG_INT, default=2, metavar="N", help="checkpoints kept (0 = keep all)")
@@ -171,7 +171,7 @@ def add_optim_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 
 _OPTIM_DEFAULTS = dict(steps=1000, batch_size=8, lr=3e-3, lr_warmup_steps=20, dense_warmup_steps=300, kl_every=1,
-                       eval_every=100, save_every=200)
+                       eval_every=100, save_every=200, eval_rows=32)
 
 
 def _scaled(default: int, steps: int, default_steps: int) -> int:
@@ -194,9 +194,17 @@ def optim_config(args: argparse.Namespace, warn: Callable[[str], None] | None = 
 
     d = args.optim_defaults
     warn = warn or (lambda msg: print(f"msakit {getattr(args, 'command', '')}: note: {msg}", file=sys.stderr))
+    train = getattr(args, "train", "all")
+    max_tokens = getattr(args, "max_tokens", None)
     steps = args.steps if args.steps is not None else d["steps"]
+    if args.steps is None and max_tokens is not None:  # the schedule spans the token budget
+        per_step = args.batch_size * (args.context if args.context is not None else DEFAULT_CONTEXT)
+        steps = -(-max_tokens // per_step)
+        warn(f"--max-tokens {max_tokens} without --steps: {_n(steps, 'step')} of {per_step} tokens")
     scaled = []
-    if args.warmup_steps is not None:
+    if train == "index":  # the whole run is the dense warm-up of the index branch
+        warm = steps
+    elif args.warmup_steps is not None:
         warm = args.warmup_steps
         if warm >= steps:
             warn(f"--warmup-steps {warm} >= {steps} steps: the run never switches to sparse attention")
@@ -214,12 +222,16 @@ def optim_config(args: argparse.Namespace, warn: Callable[[str], None] | None = 
             scaled.append(f"lr warm-up {_n(lr_warm, 'step')} (--lr-warmup-steps)")
     if scaled:
         warn(f"{steps} steps (< {d['steps']}): default warm-ups scaled to the run: {', '.join(scaled)}")
+    lr, index_lr = args.lr, getattr(args, "index_lr", None)
+    if train == "index" and index_lr is not None:  # only the index branch trains: its lr is the run's
+        lr, index_lr = index_lr, None
     return TrainConfig(
-        steps=steps, batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
+        steps=steps, batch_size=args.batch_size, lr=lr, min_lr_ratio=args.min_lr_ratio,
         lr_warmup_steps=lr_warm, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         kl_coef=args.kl_coef, kl_every=args.kl_every, dense_warmup_steps=warm, routing_bias_rate=args.routing_bias_rate,
         log_every=args.log_every, eval_every=args.eval_every, eval_rows=args.eval_rows, save_every=args.save_every,
         keep_checkpoints=args.keep, seed=args.seed, doc_attention=args.doc_attention,
+        train=train, index_lr=index_lr, kl_tokens=getattr(args, "kl_tokens", "selected"),
     )
 
 
@@ -342,7 +354,7 @@ def run_folder_of(ckpt: Path) -> Path:
 
 # what may change when a run is resumed: where and how it runs (not what it trains)
 RESUME_OPTIONS = frozenset({"out", "resume", "steps", "device", "no_progress", "cache_dir",
-                            "cp", "fsdp", "activation_checkpointing"})
+                            "cp", "fsdp", "activation_checkpointing", "max_tokens", "time_budget"})
 
 
 def check_resume_options(args: argparse.Namespace, allowed: frozenset = RESUME_OPTIONS) -> None:
@@ -405,15 +417,19 @@ def _gb(n: float) -> str:
     return f"{n / 1e12:,.2f} TB" if n >= 1e12 else f"{n / 1e9:,.2f} GB"
 
 
-def check_fits(n_params: int, device, *, available: Callable[[Any], int | None] = available_memory) -> None:
-    """ValueError when training `n_params` parameters cannot fit: TRAIN_BYTES_PER_PARAM bytes per
-    parameter on `device` (activations not counted) and, off the CPU, the float32 model on the host
-    where it is built first."""
+def check_fits(n_params: int, device, *, available: Callable[[Any], int | None] = available_memory,
+               bytes_per_param: int = TRAIN_BYTES_PER_PARAM) -> None:
+    """ValueError when training `n_params` parameters cannot fit: `bytes_per_param` per parameter
+    on `device` (default TRAIN_BYTES_PER_PARAM: float32 weights, gradients and AdamW moments;
+    the weights' size alone for a frozen backbone; activations not counted) and, off the CPU, the
+    float32 model on the host where it is built first."""
     import torch
 
     dev = torch.device(device)
-    needs = [(dev, n_params * TRAIN_BYTES_PER_PARAM, "weights, gradients and AdamW moments in float32, "
-              f"{TRAIN_BYTES_PER_PARAM} bytes per parameter; activations not counted")]
+    why = ("weights, gradients and AdamW moments in float32" if bytes_per_param == TRAIN_BYTES_PER_PARAM
+           else "the frozen weights")
+    needs = [(dev, n_params * bytes_per_param, f"{why}, {bytes_per_param} bytes per parameter; activations not "
+              "counted")]
     if dev.type != "cpu":
         needs.append((torch.device("cpu"), n_params * HOST_BYTES_PER_PARAM,
                       "the float32 model is built on the host first"))
@@ -431,13 +447,14 @@ def config_params(cfg) -> int:
     return int(total_params(cfg.to_shape()))
 
 
-def load_model_folder(folder: Path, device=None):
-    """Any model folder msakit can train: an M3 checkpoint, a converted (wrapped) HF model."""
+def load_model_folder(folder: Path, device=None, dtype=None):
+    """Any model folder msakit can train: an M3 checkpoint, a converted (wrapped) HF model
+    (weights in `dtype`, a torch dtype; default the loader's)."""
     from msakit.models.convert import load_for_conversion
     from msakit.train import checkpoint as ckpt_mod
 
     try:
-        return load_for_conversion(folder, device=device)
+        return load_for_conversion(folder, device=device, dtype=dtype)
     except (ValueError, FileNotFoundError):
         raise
     except Exception as e:  # safetensors / transformers errors on a damaged folder
@@ -447,7 +464,7 @@ def load_model_folder(folder: Path, device=None):
 def folder_kind(folder: Path) -> str:
     """What a model folder holds, from its config.json: "drafter" (a DSpark drafter), "hf-dense"
     (an HF model without MSA index branches) or "model" (anything else msakit loads)."""
-    from msakit.models.convert import HF_MODEL_TYPES, MSA_FILE
+    from msakit.models.convert import HF_MODEL_TYPES
 
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -458,7 +475,7 @@ def folder_kind(folder: Path) -> str:
     text = raw.get("text_config", raw)
     if isinstance(text, dict) and any(str(k).startswith("dspark_") for k in text):
         return "drafter"
-    if raw.get("model_type") in HF_MODEL_TYPES and not (folder / MSA_FILE).is_file():
+    if raw.get("model_type") in HF_MODEL_TYPES:  # a saved MSA model says "msakit_<family>"
         return "hf-dense"
     return "model"
 
@@ -470,16 +487,18 @@ def summary_line(trainer, t0: float) -> str:
 
     ev = trainer.last_eval or {}
     hist = trainer.history
-    last = hist[-1]["loss"] if hist else None
+    last = hist[-1] if hist else None
     if last is None or not ev:
         recs = read_metrics(trainer.out_dir / METRICS_FILE)
         if last is None:
-            last = next((r["loss"] for r in reversed(recs) if r.get("kind") == "train"), None)
+            last = next((r for r in reversed(recs) if r.get("kind") == "train"), None)
         if not ev:
             ev = next((r for r in reversed(recs) if r.get("kind") == "eval"), {})
     msg = f"done: step {trainer.step}"
-    if last is not None:
-        msg += f", train loss {last:.3f}"
+    if last is not None and last.get("loss") is not None:
+        msg += f", train loss {last['loss']:.3f}"
+    elif last is not None and last.get("kl") is not None:  # only the index branch trained
+        msg += f", train index KL {last['kl']:.4f}"
     if "val_loss" in ev:
         msg += f", val loss {ev['val_loss']:.3f}"
     if ev.get("recall_per_layer"):
@@ -568,7 +587,7 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_folder_fits(folder: Path, device) -> None:
+def _check_folder_fits(folder: Path, device, bytes_per_param: int = TRAIN_BYTES_PER_PARAM) -> None:
     """check_fits for a model folder, counted from its config.json (when msakit.cost reads it)."""
     from msakit.cost import ModelShape, total_params
 
@@ -576,18 +595,23 @@ def _check_folder_fits(folder: Path, device) -> None:
         n = total_params(ModelShape.from_config(folder))
     except (ValueError, FileNotFoundError):
         return  # the loader reports an unreadable config
-    check_fits(int(n), device)
+    check_fits(int(n), device, bytes_per_param=bytes_per_param)
 
 
 def _print_model_line(trainer) -> None:
     n = sum(p.numel() for p in trainer.model.parameters())
     c = trainer.cfg
     dense = min(c.dense_warmup_steps, c.steps)
-    if getattr(trainer.model.config, "num_sparse_layers", None) == 0:
+    params = f"{n / 1e6:.2f}M parameters"
+    if c.train == "index":
+        ni = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        params += f" ({ni / 1e6:.3f}M trained: the index branches; the rest frozen)"
+        plan = "full attention, the index branch by the KL alone"
+    elif getattr(trainer.model.config, "num_sparse_layers", None) == 0:
         plan = "full attention: no MSA layers"
     else:
         plan = f"full attention for the first {dense}, sparse for {c.steps - dense}"
-    print(f"model: {n / 1e6:.2f}M parameters on {trainer.device}; {c.steps} steps ({plan}), batch {c.batch_size} x "
+    print(f"model: {params} on {trainer.device}; {c.steps} steps ({plan}), batch {c.batch_size} x "
           f"{trainer.train_rows.context} tokens", flush=True)
 
 
@@ -612,16 +636,20 @@ def resume_run(args: argparse.Namespace, device) -> int:
         raise ckpt_mod.CheckpointError(f"{ck} does not record its data settings; cannot resume")
     tok = Tokenizer.load(ck)
     pd = prepare(opts, tokenizer=tok, cache_dir=args.cache_dir)
-    model = load_model_folder(ck)
+    model = load_model_folder(ck, dtype=torch_dtype(meta.get("dtype", "float32")))
+    conversion = meta.get("kind") == "convert"
     trainer = Trainer(model, cfg, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
-                      progress=not args.no_progress, meta=meta)
+                      progress=not args.no_progress, meta=meta, eval_both_modes=conversion,
+                      activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
     trainer.resume(ck, load_weights=lambda _: None)
     if not (out / "tokenizer.json").is_file():
         tok.save(out)
     print(f"resumed {ck} at step {trainer.step}")
     _print_model_line(trainer)
-    trainer.fit()
+    trainer.fit(max_tokens=getattr(args, "max_tokens", None), budget_s=getattr(args, "time_budget", None))
     print(summary_line(trainer, t0))
+    if conversion:
+        print(f"model: {save_model_folder(trainer.model, tok, out / MODEL_DIR)}")
     return 0
 
 
@@ -701,6 +729,74 @@ def tokenizer_beside(path: Path):
 
 
 # ----------------------------------------------------------------------------- msakit convert
+MODEL_DIR = "model"  # RUN/model: the converted model at the end of a conversion run (weights + tokenizer)
+DTYPES = ("float32", "bfloat16")  # --dtype of `msakit convert`
+TRAIN_WHAT = ("index", "all")  # --train of `msakit convert`
+# what `--train index` leaves unused (the backbone is frozen, attention dense, the KL the only loss)
+_NOT_WITH_INDEX = {"warmup_steps": "attention stays dense for the whole index warm-up",
+                   "kl_coef": "the KL is the only loss",
+                   "kl_every": "the KL is the only loss, computed every step",
+                   "routing_bias_rate": "the backbone (its routing bias included) is frozen"}
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a --dtype name (DTYPES)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def check_convert_options(args: argparse.Namespace) -> None:
+    """ValueError naming the option for a combination `msakit convert` cannot honour."""
+    given = set(getattr(args, "given", ()))
+    train = getattr(args, "train", "index")
+    if train not in TRAIN_WHAT:
+        raise ValueError(f"--train must be one of {', '.join(TRAIN_WHAT)}, got {train!r}")
+    torch_dtype(getattr(args, "dtype", "float32"))
+    budget = getattr(args, "time_budget", None)
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"--time-budget must be a positive number of seconds, got {budget!r}")
+    mt = getattr(args, "max_tokens", None)
+    if mt is not None and mt < 1:
+        raise ValueError(f"--max-tokens must be positive, got {mt}")
+    from msakit.nn.attention import KL_TOKENS
+
+    if getattr(args, "kl_tokens", "selected") not in KL_TOKENS:
+        raise ValueError(f"--kl-tokens must be one of {', '.join(KL_TOKENS)}, got {args.kl_tokens!r}")
+    if train == "index":
+        bad = [k for k in _NOT_WITH_INDEX if k in given]
+        if bad:
+            k = bad[0]
+            raise ValueError(f"--{k.replace('_', '-')} does not apply with --train index ({_NOT_WITH_INDEX[k]}); "
+                             "use --train all for the full recipe")
+        if "lr" in given and "index_lr" in given:
+            raise ValueError("--lr and --index-lr: with --train index only the index branch trains; give one of them")
+    ib, topk = getattr(args, "init_blocks", None), getattr(args, "topk", None)
+    if ib is not None and topk is not None and ib + 1 > topk:
+        raise ValueError(f"--init-blocks {ib} plus the query's own block exceed --topk {topk}")
+
+
+def save_model_folder(model, tokenizer, folder: Path) -> Path:
+    """`model.save_pretrained` + the tokenizer into `folder` (what `msakit eval --model` and
+    `msakit generate` take), written beside it first and then put in its place whole."""
+    folder = Path(folder)
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    old = folder.with_name(f".old-{folder.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save(tmp)
+        if folder.exists():
+            os.rename(folder, old)
+        os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
 def run_convert(args: argparse.Namespace) -> int:
     from msakit.distributed.args import rank0_first, trainer_kwargs
     from msakit.models.convert import convert_dense_to_msa
@@ -709,11 +805,15 @@ def run_convert(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     out = Path(args.out)
+    check_convert_options(args)
     parallel, device, main_rank = start_processes(args, "convert")
     if args.resume:  # a conversion continues as a training run
         return resume_run(args, device)
     if args.source is None:
         raise ValueError("SOURCE is required (the dense model to convert), unless --resume continues a conversion")
+    train = getattr(args, "train", "index")
+    if train == "index" and parallel is not None:
+        raise ValueError("--train index runs in one process (no torchrun, --cp or --fsdp yet)")
     if main_rank:
         check_new_out(out)
     folder = model_folder(Path(args.source))
@@ -724,32 +824,49 @@ def run_convert(args: argparse.Namespace) -> int:
     opts["vocab_size"] = tok.vocab_size
     check_data_options(opts)
     cfg = optim_config(args)
-    _check_folder_fits(folder, device)
-    src = load_model_folder(folder)
+    dtype_name = getattr(args, "dtype", "float32")
+    dtype = torch_dtype(dtype_name)
+    _check_folder_fits(folder, device, dtype.itemsize if train == "index" else TRAIN_BYTES_PER_PARAM)
+    src = load_model_folder(folder, dtype=dtype)
     model = convert_dense_to_msa(src, index_head_dim=args.index_dim, block_size=args.block_size,
-                                 topk_blocks=args.topk, seed=args.seed)
+                                 topk_blocks=args.topk, init_blocks=getattr(args, "init_blocks", None),
+                                 index_init=getattr(args, "index_init", "random"), seed=args.seed)
     check_context(model.config, opts["context"])
     check_vocab(model, tok)
     with new_run_dir(out) if main_rank else contextlib.nullcontext():
         with rank0_first(parallel):  # rank 0 fills the data cache first
             pd = prepare(opts, tokenizer=tok, cache_dir=args.cache_dir)
-        meta = {"kind": "convert", "data": opts, "source": str(args.source),
-                "long_files": [f.name for f in pd.corpus.long]}
+        meta = {"kind": "convert", "data": opts, "source": str(args.source), "dtype": dtype_name,
+                "index_init": getattr(args, "index_init", "random"), "long_files": [f.name for f in pd.corpus.long]}
         trainer = Trainer(model, cfg, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
-                          progress=not args.no_progress, meta=meta, **trainer_kwargs(args, parallel))
+                          progress=not args.no_progress, meta=meta, eval_both_modes=True,
+                          **trainer_kwargs(args, parallel))
         if main_rank:
             tok.save(out)
         before_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
         before_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
         say = print if main_rank else (lambda *a, **k: None)
+        if cfg.train == "index":
+            over = "every causal token" if cfg.kl_tokens == "all" else "the selected tokens"
+            plan = f"index-branch warm-up (backbone frozen, full attention, KL over {over}) for {cfg.steps} steps"
+        else:
+            plan = (f"indexer warm-up (dense) for {cfg.dense_warmup_steps} steps, then sparse to step {cfg.steps}")
         say(f"converted {folder}: validation loss dense {before_d:.3f}, sparse with the untrained indexer "
-              f"{before_s:.3f}; indexer warm-up (dense) for {cfg.dense_warmup_steps} steps, then sparse to step "
-              f"{cfg.steps}")
-        trainer.fit()
-    after_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
-    after_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
+            f"{before_s:.3f}; {plan}", flush=True)
+        if main_rank:
+            _print_model_line(trainer)
+        trainer.fit(max_tokens=getattr(args, "max_tokens", None), budget_s=getattr(args, "time_budget", None))
+    ev = trainer.last_eval or {}
+    if ev.get("step") == trainer.step and "val_loss_dense" in ev and "val_loss_sparse" in ev:
+        after_d, after_s = ev["val_loss_dense"], ev["val_loss_sparse"]
+    else:
+        after_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
+        after_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
     say(f"after conversion: validation loss dense {after_d:.3f}, sparse {after_s:.3f}")
     say(summary_line(trainer, t0))
+    if main_rank:
+        mdir = save_model_folder(trainer.model, tok, out / MODEL_DIR)
+        say(f"model: {mdir} (msakit eval --model {mdir}; msakit generate {mdir})")
     say(f"continue training: msakit convert --resume --out {out} --steps N (or msakit train --resume --out {out})")
     return 0
 

@@ -6,6 +6,15 @@ indexer still learns through the KL over its own selection), later steps run ``"
 every optimizer step the MoE routing bias moves toward balance (auxiliary-loss-free:
 ``model.update_routing_bias(out.expert_load, rate)``).  bf16 autocast on CUDA, float32 on CPU.
 
+``train="index"`` (the conversion's cheapest recipe): only the index branches train
+(``model.index_parameters()``), by the KL alone, with full attention throughout; every other
+parameter is frozen (``requires_grad`` False, no optimizer state, no routing-bias update), and the
+training forward keeps only the last position's logits (``logits_to_keep=1``, no labels), so the
+[T, vocab] logits are never built.  ``index_lr`` sets the index branches' peak learning rate (in
+``train="all"`` a separate parameter group, the same schedule); ``kl_tokens`` ("selected" / "all")
+is passed to ``model.set_kl_tokens``.  ``fit(max_tokens=, budget_s=)`` stops early and finishes
+the run at that step as at its last (log, evaluation, checkpoint).
+
 Everything a step depends on is a function of the step number or is checkpointed (learning rate,
 attention mode, data-loader position, optimizer moments, RNG states, routing bias in the weights),
 so N steps straight and N/2 + resume + N/2 give the same losses (bit-identical on CPU).
@@ -35,11 +44,13 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from msakit.nn.attention import KL_TOKENS
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.data import Batch, PackedRows, RowLoader, eval_batches
 from msakit.train.metrics import autocast_for, evaluate, load_balance, model_forward
 
 METRICS_FILE = "metrics.jsonl"
+TRAIN_WHAT = ("all", "index")  # TrainConfig.train
 SHARDED_DIR = "sharded"  # DCP checkpoints of runs on several ranks: <run>/sharded/step-N, <run>/sharded/latest
 
 
@@ -67,8 +78,20 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     doc_attention: bool = False  # feed packed rows through the cu_seqlens path (attention stays inside documents)
+    train: str = "all"  # "all": every parameter, LM + kl_coef * KL; "index": the index branches only, by the KL
+    index_lr: float | None = None  # peak learning rate of the index branches (None: lr)
+    kl_tokens: str = "selected"  # the KL over the indexer's selected tokens or over "all" causal tokens
 
     def __post_init__(self) -> None:
+        if self.train not in TRAIN_WHAT:
+            raise ValueError(f"train must be one of {TRAIN_WHAT}, got {self.train!r}")
+        if self.kl_tokens not in KL_TOKENS:
+            raise ValueError(f"kl_tokens must be one of {KL_TOKENS}, got {self.kl_tokens!r}")
+        if self.index_lr is not None and not self.index_lr > 0:
+            raise ValueError(f"index_lr must be positive, got {self.index_lr}")
+        if self.train == "index" and self.kl_every != 1:
+            raise ValueError(f"kl_every must be 1 when only the index branch trains (the KL is its only loss), "
+                             f"got {self.kl_every}")
         for name in ("steps", "batch_size", "log_every", "eval_every", "save_every", "kl_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -107,7 +130,8 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def mode_at(cfg: TrainConfig, step: int) -> str:
-    return "dense" if step < cfg.dense_warmup_steps else "sparse"
+    """The attention mode of a step: dense during the warm-up (always, when only the index trains)."""
+    return "dense" if cfg.train == "index" or step < cfg.dense_warmup_steps else "sparse"
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -123,16 +147,26 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def make_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], *, lr: float, weight_decay: float,
-               betas: tuple[float, float], eps: float, device: torch.device) -> tuple[torch.optim.AdamW, list[str]]:
+               betas: tuple[float, float], eps: float, device: torch.device,
+               scaled: Callable[[str], bool] | None = None, lr_scale: float = 1.0,
+               ) -> tuple[torch.optim.AdamW, list[str]]:
     """AdamW over the trainable parameters, matrices decayed and the rest not, and the parameter
-    names in the optimizer's order (what the checkpoint mapping needs)."""
+    names in the optimizer's order (what the checkpoint mapping needs).  With `scaled` (a test on
+    the parameter name) the parameters it names form two more groups whose learning rate is
+    `lr_scale` x the schedule's (``optimizer_step`` reads each group's ``lr_scale``)."""
     params = [(n, p) for n, p in named_params if p.requires_grad]
-    decay = [p for n, p in params if p.dim() >= 2]
-    no_decay = [p for n, p in params if p.dim() < 2]
-    names = [n for n, p in params if p.dim() >= 2] + [n for n, p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=betas, eps=eps, foreach=device.type == "cuda")
+    parts = [params] if scaled is None else [[x for x in params if not scaled(x[0])], [x for x in params if scaled(x[0])]]
+    groups: list[dict] = []
+    names: list[str] = []
+    for i, part in enumerate(parts):
+        for decayed in (True, False):
+            sel = [(n, p) for n, p in part if (p.dim() >= 2) == decayed]
+            g = {"params": [p for _, p in sel], "weight_decay": weight_decay if decayed else 0.0}
+            if i:
+                g["lr_scale"] = float(lr_scale)
+            groups.append(g)
+            names += [n for n, _ in sel]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=device.type == "cuda")
     return opt, names
 
 
@@ -141,9 +175,9 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every group's lr, step, and clear the gradients."""
+    """Set every group's lr (x its ``lr_scale`` when it has one), step, and clear the gradients."""
     for g in optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -210,8 +244,12 @@ class Trainer:
         parallel: Any = None,
         fsdp: bool = False,
         activation_checkpointing: bool = False,
+        eval_both_modes: bool = False,
     ) -> None:
         self.cfg = cfg
+        # eval_both_modes: every evaluation also reports the other attention mode's loss (val_loss_dense /
+        # val_loss_sparse) and prints one line (what `msakit convert` shows)
+        self.eval_both_modes = bool(eval_both_modes)
         # parallel: a msakit.distributed.Parallel (torchrun: data / context parallel ranks) or None (one process)
         self.parallel = parallel
         if parallel is not None:
@@ -220,7 +258,10 @@ class Trainer:
                 raise ValueError(f"--batch-size {cfg.batch_size} is not a multiple of the data-parallel size "
                                  f"{parallel.dp}")
         self.device = resolve_device(device) if not isinstance(device, torch.device) else device
+        if cfg.train == "index" and parallel is not None:
+            raise ValueError("--train index runs in one process (no --cp / --fsdp / torchrun yet)")
         self.model = model.to(self.device)
+        index_names = self._setup_index_training(model)
         self.fsdp = bool(fsdp)
         if activation_checkpointing and not fsdp:
             model.gradient_checkpointing_enable(True)
@@ -241,9 +282,10 @@ class Trainer:
         self.loader = RowLoader(train_rows, cfg.batch_size, seed=cfg.seed, shuffle=True)
         self._val = eval_batches(val_rows, cfg.batch_size, cfg.eval_rows) if val_rows is not None else []
         # param order inside the optimizer matches param_names for the checkpoint mapping
+        scaled = None if cfg.index_lr is None else index_names.__contains__
         self.optimizer, self.param_names = make_adamw(
             model.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps, device=self.device)
+            eps=cfg.eps, device=self.device, scaled=scaled, lr_scale=(cfg.index_lr or cfg.lr) / cfg.lr)
         self.step = 0
         self.history: list[dict] = []  # per-step records (loss, kl, lr, ...)
         self.last_eval: dict | None = None
@@ -257,7 +299,38 @@ class Trainer:
             seed = rank_seed(cfg.seed, parallel.env.rank)
         torch.manual_seed(seed)
 
+    def _setup_index_training(self, model) -> set[str]:
+        """Apply kl_tokens and, for train="index", freeze everything but the index branches;
+        returns the index parameters' names (empty when the model has none to name)."""
+        cfg = self.cfg
+        if hasattr(model, "set_kl_tokens"):
+            model.set_kl_tokens(cfg.kl_tokens)
+        elif cfg.kl_tokens != "selected":
+            raise ValueError(f"kl_tokens={cfg.kl_tokens!r}: {type(model).__name__} has no set_kl_tokens")
+        if not hasattr(model, "index_parameters"):
+            if cfg.train == "index" or cfg.index_lr is not None:
+                raise ValueError(f"{type(model).__name__} has no index_parameters(): cannot train its index branch "
+                                 "alone or give it its own learning rate")
+            return set()
+        names = {n for n, _ in model.index_parameters()}
+        if (cfg.train == "index" or cfg.index_lr is not None) and not names:
+            raise ValueError("the model has no index-branch parameters (no MSA layer)")
+        if cfg.train == "index":
+            for n, p in model.named_parameters():
+                p.requires_grad_(n in names)
+        return names
+
     # ------------------------------------------------------------------ one step
+    def _index_kl(self, batch: Batch):
+        """train="index": (None, KL, KL) of one batch, the logits of the last position only."""
+        cfg, model = self.cfg, self.model
+        with autocast_for(self.device):
+            out = model_forward(model, batch, doc_attention=cfg.doc_attention, compute_kl=True, lm=False)
+        kl = torch.as_tensor(out.kl, device=self.device, dtype=torch.float32).float()
+        if not kl.requires_grad:
+            raise ValueError("the index KL carries no gradient: the model computed no KL term in training mode")
+        return None, kl.detach(), kl, None, None
+
     def _losses(self, batch: Batch, with_kl: bool):
         """(LM loss, KL, what to back-propagate, expert load, CP communication) of one batch.
 
@@ -288,10 +361,12 @@ class Trainer:
         model.set_attention_mode(mode)
         model.train()
         batch = self.loader.next_batch().to(self.device)
-        with_kl = cfg.kl_coef > 0 and self.step % cfg.kl_every == 0
-        lm, kl, loss, el, comm = self._losses(batch, with_kl)
-        if not torch.isfinite(lm.float() + cfg.kl_coef * kl.float()):
-            raise FloatingPointError(f"loss is not finite at step {self.step} ({float(lm):.4g} LM, {float(kl):.4g} KL)")
+        index_only = cfg.train == "index"
+        with_kl = index_only or (cfg.kl_coef > 0 and self.step % cfg.kl_every == 0)
+        lm, kl, loss, el, comm = self._index_kl(batch) if index_only else self._losses(batch, with_kl)
+        if not torch.isfinite(loss.detach().float()):
+            lm_s = "no" if lm is None else f"{float(lm):.4g}"
+            raise FloatingPointError(f"loss is not finite at step {self.step} ({lm_s} LM, {float(kl):.4g} KL)")
         loss.backward()
         if par is not None and par.cp > 1:
             from msakit.distributed.step import set_attention_context
@@ -311,6 +386,8 @@ class Trainer:
                 torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         lr = lr_at(cfg, self.step)
         optimizer_step(self.optimizer, lr)
+        if cfg.index_lr is not None and index_only:
+            lr = lr * cfg.index_lr / cfg.lr  # the index branch's, the only one training
         if el is not None and el.numel():
             if par is not None:
                 from msakit.distributed.fsdp import sync_expert_load
@@ -320,7 +397,8 @@ class Trainer:
                 model.update_routing_bias(el.detach(), rate=cfg.routing_bias_rate)
         self.step += 1
         self.tokens_seen += batch.num_targets
-        rec = {"step": self.step, "loss": float(lm), "kl": float(kl) if with_kl else None, "lr": lr,
+        rec = {"step": self.step, "loss": None if lm is None else float(lm), "kl": float(kl) if with_kl else None,
+               "lr": lr,
                "grad_norm": float(gn), "mode": mode, "time_s": time.time() - t0}
         if comm:
             rec["cp_comm_bytes"] = comm["all_gather_bytes"]
@@ -346,7 +424,7 @@ class Trainer:
         r = {
             "kind": "train",
             "step": self.step,
-            "loss": sum(x["loss"] for x in recent) / len(recent),
+            "loss": _mean([x["loss"] for x in recent if x["loss"] is not None]),
             "kl": _mean([x["kl"] for x in recent if x["kl"] is not None]),
             "lr": recent[-1]["lr"],
             "grad_norm": recent[-1]["grad_norm"],
@@ -361,9 +439,15 @@ class Trainer:
         return r
 
     def eval_record(self, mode: str | None = None) -> dict:
+        """Validation in `mode` (default the mode of the last step) with the KL and the per-layer
+        recall; with `eval_both_modes` also the other mode's loss (val_loss_dense / val_loss_sparse)."""
+        mode = mode or mode_at(self.cfg, max(0, self.step - 1))
         ev = self.evaluate(mode=mode)
-        rec = {"kind": "eval", "step": self.step, "mode": mode or mode_at(self.cfg, max(0, self.step - 1)),
-               "val_loss": ev["loss"], "val_kl": ev["kl"]}
+        rec = {"kind": "eval", "step": self.step, "mode": mode, "val_loss": ev["loss"], "val_kl": ev["kl"]}
+        if self.eval_both_modes:
+            other = "sparse" if mode == "dense" else "dense"
+            rec[f"val_loss_{mode}"] = ev["loss"]
+            rec[f"val_loss_{other}"] = self.evaluate(mode=other, recall_rows=0, compute_kl=False)["loss"]
         if ev.get("layers"):
             rec["kl_per_layer"] = [x["kl"] for x in ev["layers"]]
             rec["recall_per_layer"] = [x["recall"] for x in ev["layers"]]
@@ -454,11 +538,24 @@ class Trainer:
             os.replace(tmp, mf)
         return ck
 
+    def tokens_read(self, step: int | None = None) -> int:
+        """Input tokens of the first `step` steps (default: the steps done): batch x context each."""
+        return (self.step if step is None else step) * self.cfg.batch_size * self.train_rows.context
+
     # ------------------------------------------------------------------ the loop
-    def fit(self, until: int | None = None, deadline: float | None = None) -> list[dict]:
-        """Train up to step ``until`` (default cfg.steps), or until ``time.time() > deadline``.
+    def fit(self, until: int | None = None, deadline: float | None = None, *, max_tokens: int | None = None,
+            budget_s: float | None = None) -> list[dict]:
+        """Train up to step ``until`` (default cfg.steps), or until ``time.time() > deadline``
+        (checked before each step).  ``max_tokens`` (input tokens read since step 0, batch x
+        context per step) and ``budget_s`` (seconds of this call) end the run early at the step
+        that reaches them, which then logs, evaluates and checkpoints as the last step does.
         Returns the per-step records of this call."""
         cfg = self.cfg
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if budget_s is not None and not (isinstance(budget_s, (int, float)) and math.isfinite(budget_s) and budget_s > 0):
+            raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+        stop_at = None if budget_s is None else time.time() + budget_s
         end = cfg.steps if until is None else min(until, cfg.steps)
         start_hist = len(self.history)
         recent: list[dict] = []
@@ -469,22 +566,33 @@ class Trainer:
                     break
                 rec = self.train_step()
                 recent.append(rec)
+                stop = ((max_tokens is not None and self.tokens_read() >= max_tokens)
+                        or (stop_at is not None and time.time() >= stop_at))
+                last = self.step == cfg.steps or stop
                 if bar is not None:
                     bar.update(1)
-                    post = {"loss": f"{rec['loss']:.3f}", "mode": rec["mode"]}
+                    post = {"mode": rec["mode"]}
+                    if rec["loss"] is not None:
+                        post["loss"] = f"{rec['loss']:.3f}"
                     if rec["kl"] is not None:
                         post["kl"] = f"{rec['kl']:.3f}"
                     bar.set_postfix(post)
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                if self.step % cfg.log_every == 0 or last:
                     self._log(self._interval_record(recent))
                     recent = []
-                if self._val and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    self._log(self.eval_record())
+                if self._val and (self.step % cfg.eval_every == 0 or last):
+                    ev = self.eval_record()
+                    self._log(ev)
+                    if self.eval_both_modes and self.is_main:
+                        line = eval_line(ev)
+                        (bar.write if bar is not None else print)(line)
                     self.write_plots()
-                if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                if self.step % cfg.save_every == 0 or last:
                     self.save()
                 for cb in self.callbacks:
                     cb(self, rec)
+                if stop:
+                    break
         return self.history[start_hist:]
 
     def write_plots(self) -> None:
@@ -493,7 +601,8 @@ class Trainer:
         try:
             from msakit.train.plots import write_plots
 
-            write_plots(self.out_dir / METRICS_FILE, self.out_dir, switch_step=self.cfg.dense_warmup_steps)
+            switch = None if self.cfg.train == "index" else self.cfg.dense_warmup_steps
+            write_plots(self.out_dir / METRICS_FILE, self.out_dir, switch_step=switch)
         except ImportError:
             pass
 
@@ -507,6 +616,16 @@ def find_sharded(path: str | os.PathLike) -> Path | None:
     if latest.is_file():
         return p / SHARDED_DIR / latest.read_text().strip()
     return None
+
+
+def eval_line(rec: dict) -> str:
+    """One line of an evaluation record: the step, dense / sparse validation loss, the KL."""
+    parts = [f"{m} {rec[f'val_loss_{m}']:.3f}" for m in ("dense", "sparse") if f"val_loss_{m}" in rec]
+    if not parts:
+        parts = [f"{rec.get('mode', '')} {rec['val_loss']:.3f}".strip()]
+    kl = rec.get("val_kl")
+    tail = f", index KL {kl:.4f}" if isinstance(kl, float) and math.isfinite(kl) else ""
+    return f"step {rec['step']}: validation loss {', '.join(parts)}{tail}"
 
 
 def _mean(xs: list) -> float | None:
@@ -543,4 +662,4 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 __all__ = ["TrainConfig", "Trainer", "lr_at", "mode_at", "resolve_device", "load_model_weights", "read_metrics",
-           "METRICS_FILE"]
+           "eval_line", "METRICS_FILE", "TRAIN_WHAT"]

@@ -108,8 +108,8 @@ def test_convert_then_continue_with_convert_resume(env, tmp_path, capsys):
                  *common(env, dense)]) == 0
     conv = tmp_path / "conv"
     opts = [a for a in common(env, conv) if a not in ("--vocab-size", "300")]
-    assert main(["convert", str(dense), "--steps", "3", "--warmup-steps", "2", "--block-size", "8", "--topk", "2",
-                 "--index-dim", "8", *opts]) == 0
+    assert main(["convert", str(dense), "--train", "all", "--steps", "3", "--warmup-steps", "2", "--block-size", "8",
+                 "--topk", "2", "--index-dim", "8", *opts]) == 0
     out = capsys.readouterr().out
     assert "converted" in out and "after conversion" in out and f"convert --resume --out {conv}" in out
     from msakit.models import M3Config
@@ -156,8 +156,14 @@ def test_warmups_scale_to_a_short_run_and_given_ones_are_kept():
                        warn=notes.append)
     assert (cfg.dense_warmup_steps, cfg.lr_warmup_steps) == (20, 0)  # used as given ...
     assert any("never switches to sparse" in n for n in notes)  # ... and said so
-    cfg = optim_config(_args("convert", "x", "--steps", "30"), warn=notes.append)
+    cfg = optim_config(_args("convert", "x", "--train", "all", "--steps", "30"), warn=notes.append)
     assert cfg.dense_warmup_steps == 10  # convert's own default (100 of 300) scaled
+    cfg = optim_config(_args("convert", "x", "--steps", "30"), warn=notes.append)
+    assert (cfg.train, cfg.dense_warmup_steps) == ("index", 30)  # the index warm-up is dense throughout
+    notes.clear()
+    cfg = optim_config(_args("convert", "x", "--max-tokens", "1000", "--batch-size", "2", "--context", "64"),
+                       warn=notes.append)
+    assert cfg.steps == 8 and any("--max-tokens" in n for n in notes)  # the schedule spans ceil(1000 / 128) steps
 
 
 def test_size_check_counts_before_building(monkeypatch):

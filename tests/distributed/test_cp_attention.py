@@ -17,7 +17,7 @@ from msakit.distributed import ContextParallel, GatherSequence, chunk_layout, co
 from msakit.models.modeling import document_segments
 from msakit.nn.attention import msa_attend
 
-SEL = types.SimpleNamespace(block_size=8, topk=3, local_blocks=1, init_blocks=1)
+SEL = types.SimpleNamespace(block_size=8, topk=3, local_blocks=1, init_blocks=1, kl_tokens="selected")
 # (batch, T, cu_seqlens, mode, index branch)
 CASES = [
     (2, 64, None, "sparse", True),  # T a multiple of block * 2 * cp

@@ -103,7 +103,9 @@ def test_hf_wrapper_packed_and_roundtrip(tmp_path: Path) -> None:
         torch.testing.assert_close(packed.logits[:, :13], model(a).logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(packed.logits[:, 13:], model(b).logits, rtol=1e-5, atol=1e-5)
     model.save_pretrained(tmp_path / "msa")
-    settings = json.loads((tmp_path / "msa" / "msakit_msa.json").read_text())
+    raw = json.loads((tmp_path / "msa" / "config.json").read_text())
+    assert raw["model_type"] == "msakit_llama"
+    settings = raw["msakit_msa"]
     assert settings["mode"] == "sparse" and settings["block_size"] == 8
     again = load_for_conversion(tmp_path / "msa")
     assert isinstance(again, MSAWrappedModel)
@@ -121,3 +123,24 @@ def test_unsupported_inputs(tmp_path: Path) -> None:
         load_for_conversion(tmp_path / "missing")
     with pytest.raises(ValueError, match="cannot convert"):
         convert_dense_to_msa(torch.nn.Linear(2, 2))
+
+
+def test_m3_qk_init_and_kl_tokens() -> None:
+    from msakit.models.convert import init_index_from_qk
+
+    new = convert_dense_to_msa(dense_m3(), block_size=8, topk_blocks=2, index_init="qk")
+    attn = new.model.layers[0].self_attn
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(attn.index_q_proj(x).view(5, 2, 16), attn.q_proj(x).view(5, 2, 2, 16).mean(2),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attn.index_k_norm.weight, attn.k_norm.weight)
+    ids = torch.randint(0, 256, (1, 40))
+    sel = new(ids).kl
+    new.set_kl_tokens("all")
+    assert all(a.cfg.kl_tokens == "all" for a in new.msa_layers())
+    every = new(ids).kl
+    assert torch.isfinite(every) and every.item() != pytest.approx(sel.item())
+    assert {n.split(".self_attn.")[1].split(".")[0] for n, _ in new.index_parameters()} == {
+        "index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm"}
+    with pytest.raises(ValueError, match="MSAWrappedModel or an M3ForCausalLM"):
+        init_index_from_qk(torch.nn.Linear(2, 2))

@@ -16,6 +16,19 @@ from msakit.ops.sparse_attention import sparse_attention_reference
 from msakit.ops.sparse_attention.chunked import sparse_attention_chunked
 
 
+def chunked_attention(q, k, v, bi, block_size, softmax_scale=None, cu_seqlens=None, chunk=None):
+    """(o, lse) of `sparse_attention_chunked` with the public op's default scale 1/sqrt(D)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    return sparse_attention_chunked(q, k, v, bi, block_size, scale, cu_seqlens=cu_seqlens, chunk=chunk)
+
+
+def chunked_kl(q, k, qi, ki, bi, block_size, softmax_scale=None, index_softmax_scale=None, **kw):
+    """`index_kl_loss_chunked` with the public op's default scales 1/sqrt(D) and 1/sqrt(Di)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    iscale = 1 / math.sqrt(qi.shape[-1]) if index_softmax_scale is None else index_softmax_scale
+    return index_kl_loss_chunked(q, k, qi, ki, bi, block_size, scale, iscale, **kw)
+
+
 def tol(dtype: torch.dtype, n: int) -> dict:
     """rtol = atol = a few rounding errors of a reduction of n terms in `dtype` (worst case ~ n * eps)."""
     eps = torch.finfo(dtype).eps
@@ -68,7 +81,7 @@ def test_sparse_attention_chunked_equals_reference(Hq, G, D, bs, T, K, chunk):
     bi = messy_selection(B, G, T, K, bs, seed=T + 1)
     want = attn_fwd_bwd(lambda a, b, c: sparse_attention_reference(a, b, c, bi, block_size=bs, return_lse=True), q, k, v, 1)
     got = attn_fwd_bwd(
-        lambda a, b, c: sparse_attention_chunked(a, b, c, bi, block_size=bs, return_lse=True, chunk=chunk), q, k, v, 1
+        lambda a, b, c: chunked_attention(a, b, c, bi, bs, chunk=chunk), q, k, v, 1
     )
     # the reference returns lse in float32 (also for float64 inputs): compare it at float32's precision
     assert torch.equal(torch.isinf(want[1]), torch.isinf(got[1]))
@@ -86,7 +99,7 @@ def test_sparse_attention_chunked_float32_and_scale():
     bi = messy_selection(B, G, T, K, bs, seed=6)
     kw = dict(block_size=bs, return_lse=True, softmax_scale=0.3)
     want = attn_fwd_bwd(lambda a, b, c: sparse_attention_reference(a, b, c, bi, **kw), q, k, v, 2)
-    got = attn_fwd_bwd(lambda a, b, c: sparse_attention_chunked(a, b, c, bi, chunk=17, **kw), q, k, v, 2)
+    got = attn_fwd_bwd(lambda a, b, c: chunked_attention(a, b, c, bi, bs, softmax_scale=0.3, chunk=17), q, k, v, 2)
     fin = torch.isfinite(want[1])
     torch.testing.assert_close(got[1][fin], want[1][fin], **tol(torch.float32, D + K * bs))
     for a, b in zip((got[0],) + got[2:], (want[0],) + want[2:]):
@@ -98,7 +111,7 @@ def test_sparse_attention_chunked_bfloat16_output_rounding():
     q, k, v = qkv(B, T, Hq, G, D, torch.bfloat16, seed=9)
     bi = messy_selection(B, G, T, K, bs, seed=10)
     want = sparse_attention_reference(q, k, v, bi, block_size=bs)
-    got = sparse_attention_chunked(q, k, v, bi, block_size=bs, chunk=24)
+    got, _ = chunked_attention(q, k, v, bi, bs, chunk=24)
     assert got.dtype == torch.bfloat16
     # both compute in float32 and round once to bfloat16: at most one bfloat16 ulp apart
     torch.testing.assert_close(got.float(), want.float(), rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-2)
@@ -113,7 +126,7 @@ def test_sparse_attention_chunked_varlen_equals_reference():
         lambda a, b, c: sparse_attention_reference(a, b, c, bi, cu_seqlens=cu, block_size=bs, return_lse=True), q, k, v, 3
     )
     got = attn_fwd_bwd(
-        lambda a, b, c: sparse_attention_chunked(a, b, c, bi, block_size=bs, return_lse=True, cu_seqlens=cu, chunk=7),
+        lambda a, b, c: chunked_attention(a, b, c, bi, bs, cu_seqlens=cu, chunk=7),
         q, k, v, 3,
     )
     fin = torch.isfinite(want[1])
@@ -127,7 +140,7 @@ def test_public_sparse_attention_routes_cpu_auto_to_chunked():
     q, k, v = qkv(B, T, Hq, G, D, torch.float64, seed=12)
     bi = messy_selection(B, G, T, K, bs, seed=13)
     auto = ops.sparse_attention(q, k, v, bi, block_size=bs)
-    assert torch.equal(auto, sparse_attention_chunked(q, k, v, bi, block_size=bs))
+    assert torch.equal(auto, chunked_attention(q, k, v, bi, bs)[0])
     ref = ops.sparse_attention(q, k, v, bi, block_size=bs, backend="reference")
     assert torch.equal(ref, sparse_attention_reference(q, k, v, bi, block_size=bs))
     torch.testing.assert_close(auto, ref, **tol(torch.float64, D + K * bs))
@@ -159,9 +172,9 @@ def test_index_kl_chunked_equals_reference(Hq, G, D, Di, bs, T, K, chunk):
     q, k, qi, ki = kl_inputs(B, T, Hq, G, D, Di, torch.float64, seed=T)
     bi = messy_selection(B, G, T, K, bs, seed=T + 2)
     want = kl_and_grads(lambda: index_kl_loss_reference(q, k, qi, ki, bi, block_size=bs), qi, ki)
-    got = kl_and_grads(lambda: index_kl_loss_chunked(q, k, qi, ki, bi, block_size=bs, chunk=chunk), qi, ki)
+    got = kl_and_grads(lambda: chunked_kl(q, k, qi, ki, bi, bs, chunk=chunk), qi, ki)
     lse = selected_lse_reference(q, k, bi, block_size=bs)
-    with_lse = kl_and_grads(lambda: index_kl_loss_chunked(q, k, qi, ki, bi, block_size=bs, chunk=chunk, lse=lse), qi, ki)
+    with_lse = kl_and_grads(lambda: chunked_kl(q, k, qi, ki, bi, bs, chunk=chunk, lse=lse), qi, ki)
     t = tol(torch.float64, max(D, Di) + K * bs * T)
     for a, b, c in zip(got, with_lse, want):
         torch.testing.assert_close(a, c, **t)
@@ -174,7 +187,7 @@ def test_index_kl_chunked_float32_and_scales():
     bi = messy_selection(B, G, T, K, bs, seed=22)
     kw = dict(block_size=bs, softmax_scale=0.2, index_softmax_scale=0.5)
     want = kl_and_grads(lambda: index_kl_loss_reference(q, k, qi, ki, bi, **kw), qi, ki)
-    got = kl_and_grads(lambda: index_kl_loss_chunked(q, k, qi, ki, bi, chunk=29, **kw), qi, ki)
+    got = kl_and_grads(lambda: chunked_kl(q, k, qi, ki, bi, chunk=29, **kw), qi, ki)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol(torch.float32, max(D, Di) + K * bs * 4))
 
@@ -187,7 +200,7 @@ def test_index_kl_chunked_varlen_equals_reference(over):
     bi = torch.cat([messy_selection(1, G, e - s, K, bs, seed=s) for s, e in ((0, 20), (20, 51), (51, 75))], dim=2)
     kw = dict(block_size=bs, over=over)
     want = kl_and_grads(lambda: index_kl_loss_reference(q, k, qi, ki, bi, cu_seqlens=cu, **kw), qi, ki)
-    got = kl_and_grads(lambda: index_kl_loss_chunked(q, k, qi, ki, bi, cu_seqlens=cu, chunk=9, **kw), qi, ki)
+    got = kl_and_grads(lambda: chunked_kl(q, k, qi, ki, bi, cu_seqlens=cu, chunk=9, **kw), qi, ki)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol(torch.float64, max(D, Di) + T * T))
 
@@ -215,7 +228,7 @@ def test_index_kl_all_equals_dense(Hq, G, bs, T, chunk):
     scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
     want = kl_and_grads(lambda: dense_kl_all(q, k, qi, ki, scale, iscale), qi, ki)
     ref = kl_and_grads(lambda: index_kl_loss_reference(q, k, qi, ki, None, block_size=bs, over="all"), qi, ki)
-    got = kl_and_grads(lambda: index_kl_loss_chunked(q, k, qi, ki, None, block_size=bs, over="all", chunk=chunk), qi, ki)
+    got = kl_and_grads(lambda: chunked_kl(q, k, qi, ki, None, bs, over="all", chunk=chunk), qi, ki)
     public = kl_and_grads(lambda: ops.index_kl_loss(q, k, qi, ki, None, block_size=bs, over="all"), qi, ki)
     t = tol(torch.float64, max(D, Di) + T * T)
     for w, r, c, p in zip(want, ref, got, public):
@@ -241,7 +254,7 @@ def test_public_index_kl_routes_and_validates_over():
     q, k, qi, ki = kl_inputs(B, T, Hq, G, D, Di, torch.float64, seed=51)
     bi = messy_selection(B, G, T, K, bs, seed=52)
     auto = ops.index_kl_loss(q, k, qi, ki, bi, block_size=bs)
-    assert torch.equal(auto, index_kl_loss_chunked(q, k, qi, ki, bi, block_size=bs))
+    assert torch.equal(auto, chunked_kl(q, k, qi, ki, bi, bs))
     ref = ops.index_kl_loss(q, k, qi, ki, bi, block_size=bs, backend="reference")
     torch.testing.assert_close(auto, ref, **tol(torch.float64, D + K * bs * T))
     with pytest.raises(ValueError, match="over"):
@@ -259,8 +272,8 @@ def test_index_kl_chunked_no_grad_and_detached_teacher():
     k.requires_grad_()
     bi = messy_selection(B, G, T, K, bs, seed=62)
     with torch.no_grad():
-        v0 = index_kl_loss_chunked(q, k, qi, ki, bi, block_size=bs)
-    loss = index_kl_loss_chunked(q, k, qi, ki, bi, block_size=bs)
+        v0 = chunked_kl(q, k, qi, ki, bi, bs)
+    loss = chunked_kl(q, k, qi, ki, bi, bs)
     assert torch.equal(v0, loss.detach())
     loss.backward()
     assert q.grad is None and k.grad is None  # P is the teacher: no gradient reaches q, k
@@ -275,9 +288,9 @@ def test_chunked_under_cpu_autocast_and_strided_inputs():
     bi = messy_selection(B, G, T, K, bs, seed=72)
     want = sparse_attention_reference(q.detach(), k.detach(), v.detach(), bi, block_size=bs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = sparse_attention_chunked(qs, k.detach(), v.detach(), bi, block_size=bs, chunk=20)
+        got, _ = chunked_attention(qs, k.detach(), v.detach(), bi, bs, chunk=20)
         _, _, qi, ki = kl_inputs(B, T, Hq, G, D, Di, torch.float32, seed=73)
-        kl = index_kl_loss_chunked(q.detach(), k.detach(), qi, ki, bi, block_size=bs)
+        kl = chunked_kl(q.detach(), k.detach(), qi, ki, bi, bs)
     assert got.dtype == torch.float32 and kl.dtype == torch.float32
     torch.testing.assert_close(got, want, **tol(torch.float32, D + K * bs))
     torch.testing.assert_close(kl, index_kl_loss_reference(q.detach(), k.detach(), qi, ki, bi, block_size=bs),
@@ -292,7 +305,7 @@ def test_chunked_on_cuda_equals_cpu_reference():
     want = attn_fwd_bwd(lambda a, b, c: sparse_attention_reference(a, b, c, bi, block_size=bs, return_lse=True), q, k, v, 4)
     qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     got = attn_fwd_bwd(
-        lambda a, b, c: sparse_attention_chunked(a, b, c, bi.cuda(), block_size=bs, return_lse=True, chunk=100), qc, kc, vc, 4
+        lambda a, b, c: chunked_attention(a, b, c, bi.cuda(), bs, chunk=100), qc, kc, vc, 4
     )
     fin = torch.isfinite(want[1])
     torch.testing.assert_close(got[1].cpu()[fin], want[1][fin], rtol=1e-4, atol=1e-4)  # TF32 may be on

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from msakit.ops.dispatch import interpret_mode
-from msakit.ops.index_topk import index_topk, index_topk_reference
+from msakit.ops.index_topk import Selection, index_topk, index_topk_reference
 from tools.bench.index_topk import agreement_rate, as_sets, rows_reference, sample_rows
 from msakit.ops.fp8 import quantize_fp8_reference as quantize_fp8_rows
 from msakit.ops.index_topk.reference import fp8_scoring_inputs
@@ -29,6 +29,9 @@ needs_kernel = pytest.mark.skipif(not CAN_RUN_KERNEL, reason="needs CUDA or TRIT
 DEV = "cuda" if (torch.cuda.is_available() and not interpret_mode()) else "cpu"
 # the interpreter converts its 1-element loop bounds with a numpy deprecation warning
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+SELECTION_DEFAULTS = dict(local_blocks=1, init_blocks=0)  # index_topk's defaults of the two forced counts
 
 
 def int_inputs(B, T, G, Di, dtype=torch.bfloat16, lo=-4, hi=4, seed=0):
@@ -79,7 +82,8 @@ def run_kernel(q, k, config=None, **kw):
         return index_topk(q, k, backend="triton", **kw)
     from msakit.ops.index_topk.triton import index_topk_triton
 
-    return index_topk_triton(q, k, config=config, **kw)
+    rest = {name: kw.pop(name) for name in ("cu_seqlens", "score_dtype") if name in kw}
+    return index_topk_triton(q, k, Selection(**{**SELECTION_DEFAULTS, **kw}), config=config, **rest)
 
 
 @needs_kernel
@@ -217,7 +221,8 @@ def test_kernel_fp8_random_matches_fp8_reference(variant):
     else:
         from msakit.ops.index_topk.triton import index_topk_triton
 
-        got = index_topk_triton(q, k, score_dtype="fp8", config=VARIANTS[variant], **kw)
+        got = index_topk_triton(q, k, Selection(**{**SELECTION_DEFAULTS, **kw}), score_dtype="fp8",
+                                config=VARIANTS[variant])
     ref = index_topk(q, k, score_dtype="fp8", backend="reference", **kw)
     qf, kf = fp8_scoring_inputs(q, k)
     assert torch.equal(ref, index_topk_reference(qf, kf, **kw))

@@ -227,10 +227,12 @@ def check_and_bench(
                         def op():
                             return index_topk(q, k, score_dtype="fp8" if fp8 else None, backend="triton", **sel_kw)
                     else:
+                        from msakit.ops.index_topk import Selection
                         from msakit.ops.index_topk.triton import index_topk_triton
 
                         def op(cfg=cfg):
-                            return index_topk_triton(q, k, score_dtype="fp8" if fp8 else None, config=cfg, **sel_kw)
+                            return index_topk_triton(q, k, Selection(**sel_kw), score_dtype="fp8" if fp8 else None,
+                                                     config=cfg)
                     op()  # compile outside the memory measurement
                     peak, out = _peak_extra(op)
                     got = out[b.to(dev), g.to(dev), i.to(dev)]

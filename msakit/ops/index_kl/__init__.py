@@ -175,8 +175,7 @@ def index_kl_loss(
         return loss
     if backend != "reference":  # CPU (or no usable kernel): chunked matmuls, equal to the reference
         return index_kl_loss_chunked(
-            q, k, q_idx, k_idx, block_idx, block_size=block_size, softmax_scale=scale,
-            index_softmax_scale=iscale, lse=lse, cu_seqlens=cu_seqlens, over=over,
+            q, k, q_idx, k_idx, block_idx, block_size, scale, iscale, lse=lse, cu_seqlens=cu_seqlens, over=over
         )
     return index_kl_loss_reference(
         q.detach(), k.detach(), q_idx, k_idx, block_idx,

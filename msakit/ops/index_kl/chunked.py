@@ -18,7 +18,6 @@ j <= i (the dense causal distribution), whatever block_idx holds.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -135,10 +134,10 @@ def index_kl_loss_chunked(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
     block_idx: torch.Tensor | None,
+    block_size: int,
+    scale: float,
+    iscale: float,
     *,
-    block_size: int = 128,
-    softmax_scale: float | None = None,
-    index_softmax_scale: float | None = None,
     lse: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     over: str = "selected",
@@ -147,20 +146,20 @@ def index_kl_loss_chunked(
     """Mean over (b, r, i) of KL(P || P_idx); layouts and meaning as `index_kl_loss_reference`.
 
     q [B, T, Hq, D], k [B, T, G, D] (constants), q_idx [B, T, G, Di], k_idx [B, T, Di] (receive
-    gradients), block_idx int [B, G, T, topk] (ignored, may be None, with over="all").
-    over: "selected" (the tokens j <= i of the selected blocks) or "all" (every token j <= i).
+    gradients), block_idx int [B, G, T, topk] (ignored, may be None, with over="all").  scale,
+    iscale: softmax_scale and index_softmax_scale (resolved by the public op: no defaults here).
     lse: optional [B, Hq, T], the main branch's log-sum-exp over the same tokens (skips its
     statistics pass; it must match the selection).  cu_seqlens: int [ndocs + 1] for documents
-    packed along T (B = 1, block ids relative to each document's start).  chunk: query rows per
+    packed along T (B = 1, block ids relative to each document's start).  over: "selected" (the
+    tokens j <= i of the selected blocks) or "all" (every token j <= i).  chunk: query rows per
     chunk.  Returns a scalar in float32 (float64 for float64 q_idx).  Arguments are not
     validated here (the public op does it).
     """
     if over not in ("selected", "all"):
         raise ValueError(f"over must be 'selected' or 'all', got {over!r}")
-    B, T, Hq, D = q.shape
-    G, Di = k.shape[2], q_idx.shape[-1]
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
-    iscale = float(index_softmax_scale) if index_softmax_scale is not None else 1.0 / math.sqrt(Di)
+    B, T, Hq, _ = q.shape
+    G = k.shape[2]
+    scale, iscale = float(scale), float(iscale)
     want_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
     q, k = q.detach(), k.detach()
     if cu_seqlens is None:

@@ -55,7 +55,7 @@ def index_kl_loss_reference(
     k_idx: torch.Tensor,
     block_idx: torch.Tensor,
     *,
-    block_size: int = 128,
+    block_size: int,
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
     over: str = "selected",
@@ -66,7 +66,7 @@ def index_kl_loss_reference(
     over="all": over every token j <= i (block_idx is ignored and may be None).
     cu_seqlens [ndocs + 1]: documents packed along T (tensors [1, total, ...], block_idx
     [1, G, total, K] with ids relative to each document's start); the mean over all (r, i)
-    of all documents.
+    of all documents.  block_size is given (the public op states the default).
     """
     if cu_seqlens is not None:
         cu = [int(x) for x in cu_seqlens.tolist()]
@@ -120,7 +120,7 @@ def selected_lse_reference(
     k: torch.Tensor,
     block_idx: torch.Tensor,
     *,
-    block_size: int = 128,
+    block_size: int,
     softmax_scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:

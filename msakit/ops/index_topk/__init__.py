@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..checks import check_finite as _check_finite_values
@@ -9,12 +11,13 @@ from ..checks import check_cu_seqlens, check_index_qk, check_positive_int
 from ..dispatch import use_triton
 from .reference import fp8_scoring_inputs, index_topk_reference
 
-__all__ = ["index_topk", "index_topk_reference"]
+__all__ = ["index_topk", "index_topk_reference", "Selection", "check_selection"]
 
 SCORE_DTYPES = (None, "fp8")
 
 
 def check_selection(block_size: int, topk: int, local_blocks: int, init_blocks: int) -> None:
+    """Raise ValueError (naming the argument) unless the four settings make a valid selection."""
     check_positive_int("block_size", block_size)
     check_positive_int("topk", topk)
     check_positive_int("local_blocks", local_blocks)
@@ -26,7 +29,18 @@ def check_selection(block_size: int, topk: int, local_blocks: int, init_blocks: 
         )
 
 
+@dataclass(frozen=True)
+class Selection:
+    """`index_topk`'s selection settings, checked on construction (`check_selection`): the public
+    ops take them as keywords, the kernel entry as one object."""
 
+    block_size: int  # tokens per key block
+    topk: int  # blocks kept per (batch, group, query)
+    local_blocks: int  # the query's own block and the ones just before it, always kept
+    init_blocks: int  # the sequence's first blocks, always kept
+
+    def __post_init__(self) -> None:
+        check_selection(self.block_size, self.topk, self.local_blocks, self.init_blocks)
 
 
 @torch.library.custom_op("msakit::index_topk", mutates_args=())
@@ -45,10 +59,8 @@ def _index_topk_op(
     if use_triton("index_topk", backend, q_idx.device):
         from .triton import index_topk_triton
 
-        return index_topk_triton(
-            q_idx, k_idx, block_size=block_size, topk=topk, local_blocks=local_blocks,
-            init_blocks=init_blocks, cu_seqlens=cu_seqlens, score_dtype=sd,
-        )
+        sel = Selection(block_size, topk, local_blocks, init_blocks)
+        return index_topk_triton(q_idx, k_idx, sel, cu_seqlens=cu_seqlens, score_dtype=sd)
     if sd == "fp8":
         q_idx, k_idx = fp8_scoring_inputs(q_idx, k_idx)
     return index_topk_reference(

@@ -23,15 +23,16 @@ def index_topk_reference(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
     *,
-    block_size: int = 128,
-    topk: int = 16,
+    block_size: int,
+    topk: int,
     local_blocks: int = 1,
     init_blocks: int = 0,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_idx [B, T, G, Di], k_idx [B, Tk, Di] -> block_idx int32 [B, G, T, topk].
 
-    With Tk > T the queries are the last T positions of the keys' sequence (decode).
+    With Tk > T the queries are the last T positions of the keys' sequence (decode).  block_size
+    and topk are given (the public `index_topk` states the defaults).
 
     cu_seqlens [ndocs + 1]: packed documents, q_idx [1, total, G, Di], k_idx [1, total, Di].
     Document d holds tokens cu_seqlens[d] .. cu_seqlens[d + 1] - 1 and is an independent

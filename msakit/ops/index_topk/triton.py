@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import interpret_mode, warn_once
+from . import Selection
 
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
@@ -410,29 +411,27 @@ def build_varlen_tiles(cu_seqlens: torch.Tensor, total: int, G: int, block_m: in
 def index_topk_triton(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
+    sel: Selection,
     *,
-    block_size: int = 128,
-    topk: int = 16,
-    local_blocks: int = 1,
-    init_blocks: int = 0,
     cu_seqlens: torch.Tensor | None = None,
     score_dtype: str | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Kernel entry (arguments already checked by `index_topk`).  Returns int32 [B, G, T, topk].
+    """Kernel entry (arguments already checked by `index_topk`; `sel` is checked on construction).
+    Returns int32 [B, G, T, sel.topk].
 
     config: overrides of the default configuration (`GPU_CONFIGS`); one with num_warps is a whole
     configuration, whose omitted keys mean TMA off, no register cap, the shuffle on.
     """
+    kw = dict(block_size=sel.block_size, topk=sel.topk, local_blocks=sel.local_blocks,
+              init_blocks=sel.init_blocks, cu_seqlens=cu_seqlens, config=config)
     if score_dtype == "fp8":
         q8, _ = quantize_fp8_triton(q_idx)
         k8, ks = quantize_fp8_triton(k_idx)
-        return launch(q8, k8, ks, block_size=block_size, topk=topk, local_blocks=local_blocks,
-                      init_blocks=init_blocks, cu_seqlens=cu_seqlens, config=config)
+        return launch(q8, k8, ks, **kw)
     if q_idx.dtype == torch.float64:  # the kernel scores in float32
         q_idx, k_idx = q_idx.float(), k_idx.float()
-    return launch(q_idx, k_idx, None, block_size=block_size, topk=topk, local_blocks=local_blocks,
-                  init_blocks=init_blocks, cu_seqlens=cu_seqlens, config=config)
+    return launch(q_idx, k_idx, None, **kw)
 
 
 def quantize_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

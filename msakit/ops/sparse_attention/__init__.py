@@ -146,7 +146,10 @@ def sparse_attention(
         if backend == "triton":
             raise ValueError(f"backend='triton' for sparse_attention does not take {why}")
         warn_once(f"sparse_attention:{why}", f"msakit: sparse_attention falls back to the chunked PyTorch path for {why}")
-    kw = dict(block_size=block_size, softmax_scale=scale, return_lse=return_lse)
-    if backend != "reference":  # CPU (or no usable kernel): chunked matmuls, equal to the reference
-        return sparse_attention_chunked(q, k, v, block_idx, cu_seqlens=cu_seqlens, **kw)
-    return sparse_attention_reference(q, k, v, block_idx, cu_seqlens=cu_seqlens, **kw)
+    if backend == "reference":
+        return sparse_attention_reference(
+            q, k, v, block_idx, block_size=block_size, softmax_scale=scale, return_lse=return_lse, cu_seqlens=cu_seqlens
+        )
+    # CPU (or no usable kernel): chunked matmuls, equal to the reference
+    o, lse = sparse_attention_chunked(q, k, v, block_idx, int(block_size), float(scale), cu_seqlens=cu_seqlens)
+    return (o, lse) if return_lse else o

@@ -17,7 +17,6 @@ the matmuls run in float32 (float64 for float64 inputs).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -267,25 +266,25 @@ def sparse_attention_chunked(
     k: torch.Tensor,
     v: torch.Tensor,
     block_idx: torch.Tensor,
+    block_size: int,
+    scale: float,
     *,
-    block_size: int = 128,
-    softmax_scale: float | None = None,
-    return_lse: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk: int | None = None,
-):
-    """`sparse_attention` by key-block segments; layouts and meaning as `sparse_attention_reference`.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attention` by key-block segments -> (o, lse), as the kernel's forward returns them;
+    meaning as `sparse_attention_reference`.
 
     q [B, T, Hq, D]; k, v [B, T, G, D]; block_idx int [B, G, T, topk].  Returns o [B, T, Hq, D]
-    in q's dtype and, with return_lse, lse [B, Hq, T] float32.  cu_seqlens: int [ndocs + 1] for
-    documents packed along T (B = 1, block ids relative to each document's start); each document
-    is computed on its own slice.  chunk: query rows per chunk (default: pair buffers within
-    CHUNK_BYTES).  Differentiable in q, k, v and through lse.  Arguments are not validated here
-    (the public op does it).
+    in q's dtype and lse [B, Hq, T] float32.  scale: the softmax scale (resolved by the public
+    op: no default here).  cu_seqlens: int [ndocs + 1] for documents packed along T (B = 1,
+    block ids relative to each document's start); each document is computed on its own slice.
+    chunk: query rows per chunk (default: pair buffers within CHUNK_BYTES).  Differentiable in
+    q, k, v and through lse.  Arguments are not validated here (the public op does it).
     """
     B, _, Hq, D = q.shape
     K = block_idx.shape[-1]
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = float(scale)
     if cu_seqlens is None:
         spans = [(0, q.shape[1])]
     else:
@@ -302,7 +301,5 @@ def sparse_attention_chunked(
         outs.append(o)
         lses.append(lse)
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    if not return_lse:
-        return o
     lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
     return o, lse.float()  # float32, as the reference returns it

@@ -42,7 +42,7 @@ def sparse_attention_reference(
     v: torch.Tensor,
     block_idx: torch.Tensor,
     *,
-    block_size: int = 128,
+    block_size: int,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | None = None,
@@ -53,7 +53,7 @@ def sparse_attention_reference(
     cu_seqlens[d+1]) of q [1, total, Hq, D], k/v [1, total, G, D], block_idx [1, G, total, topk].
     Block ids are relative to each document's start (block b of document d covers the tokens
     cu_seqlens[d] + b*block_size ...), and no token attends outside its document: each
-    document is computed on its own slice.
+    document is computed on its own slice.  block_size is given (the public op states the default).
     """
     if cu_seqlens is not None:
         bounds = [int(x) for x in cu_seqlens.tolist()]

@@ -1,0 +1,240 @@
+"""The conversion study on Qwen2.5-Coder-0.5B (docs/convert.md): kernels at its shapes, the index
+warm-up and the evaluation table, on one GPU.
+
+Stages (each a subcommand; `all` runs them in order):
+
+  ops      the MSA ops at the model's shapes (14 query / 2 KV heads of 64, index dim 64; block 64
+           top-8 and block 128 top-16; 4K and 32K tokens, bf16): the Triton kernels against the
+           chunked PyTorch path (index_topk: the selected blocks' score mass; sparse_attention and
+           index_kl_loss: max error), and the KL over all tokens (chunked path) time and memory.
+  build    the HF folder from the GGUF (tools/qwen_checkpoint.py --work WORK: WORK holds the GGUF).
+  warmup   `msakit convert --train index` per init (random, qk): index branch only, KL over all
+           causal tokens, block 0 forced (--init-blocks 1); the converted model saved per init.
+  eval     `msakit eval` of the dense model (dense, last1024, window, window0, oracle, msa
+           untrained) and of each warmed model (msa), lengths 4K-32K; then the table.
+
+    python benchmarks/convert_eval.py all --work DIR --out DIR [--tokens N] [--lengths 4096,...]
+
+Writes convert_eval_<gpu>.json (every stage's numbers, the table rows and the environment) and the
+warmed index weights (index_<init>.safetensors, bf16: small enough to bring back, so that the
+CPU can evaluate the same indexer) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import env_info, gpu_tag, save_json  # noqa: E402
+
+QWEN = dict(Hq=14, G=2, D=64, Di=64)
+BUDGETS = ((64, 8), (128, 16))
+DEVICE = os.environ.get("MSAKIT_DEVICE", "cuda")  # "cpu" for a dry run of the script
+
+
+def log(msg: str) -> None:
+    print(f"[convert_eval {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _cuda_time(fn, reps: int = 3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def stage_ops(lengths=(4096, 32768)) -> list[dict]:
+    """Kernels vs the chunked path at the model's shapes."""
+    from msakit import ops
+    from msakit.ops.index_kl.chunked import index_kl_loss_chunked
+    from msakit.ops.sparse_attention.chunked import sparse_attention_chunked
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in lengths:
+        for bs, k in BUDGETS:
+            Hq, G, D, Di = QWEN["Hq"], QWEN["G"], QWEN["D"], QWEN["Di"]
+            q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            kk = torch.randn(1, T, G, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            v = torch.randn(1, T, G, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            qi = torch.randn(1, T, G, Di, device="cuda", dtype=torch.bfloat16, generator=g)
+            ki = torch.randn(1, T, Di, device="cuda", dtype=torch.bfloat16, generator=g)
+            row = dict(T=T, block_size=bs, topk=k)
+            try:
+                bi = ops.index_topk(qi, ki, block_size=bs, topk=k, local_blocks=1, init_blocks=1)
+                ref = ops.index_topk(qi, ki, block_size=bs, topk=k, local_blocks=1, init_blocks=1, backend="reference") \
+                    if T <= 8192 else None
+                if ref is not None:
+                    row["topk_same_sets"] = float((bi.sort(-1).values == ref.sort(-1).values).all(-1).float().mean())
+                o = ops.sparse_attention(q, kk, v, bi, block_size=bs)
+                oc = sparse_attention_chunked(q, kk, v, bi, block_size=bs)
+                row["sparse_attention_max_err"] = float((o.float() - oc.float()).abs().max())
+                row["sparse_attention_ms"] = 1e3 * _cuda_time(lambda: ops.sparse_attention(q, kk, v, bi, block_size=bs))
+                qi_g, ki_g = qi.clone().requires_grad_(), ki.clone().requires_grad_()
+                kl = ops.index_kl_loss(q, kk, qi_g, ki_g, bi, block_size=bs)
+                klc = index_kl_loss_chunked(q, kk, qi, ki, bi, block_size=bs)
+                row["index_kl"] = float(kl)
+                row["index_kl_rel_err"] = float((kl.float() - klc.float()).abs() / klc.float().abs().clamp_min(1e-12))
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                t0 = time.perf_counter()
+                kla = ops.index_kl_loss(q, kk, qi_g, ki_g, None, block_size=bs, over="all")
+                kla.backward()
+                torch.cuda.synchronize()
+                row["kl_all_fwd_bwd_ms"] = 1e3 * (time.perf_counter() - t0)
+                row["kl_all_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                row["ok"] = bool(row["sparse_attention_max_err"] < 0.05 and row["index_kl_rel_err"] < 1e-2
+                                 and row.get("topk_same_sets", 1.0) > 0.99)
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                row["error"] = f"{type(e).__name__}: {e}"[:400]
+                row["ok"] = False
+            log(json.dumps(row))
+            rows.append(row)
+            del q, kk, v, qi, ki
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run(cmd: list[str], timeout: float) -> dict:
+    log("$ " + " ".join(cmd))
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    tail = p.stdout[-3000:]
+    print(tail, flush=True)
+    return dict(cmd=cmd, rc=p.returncode, seconds=time.time() - t0, tail=tail[-1500:])
+
+
+def stage_build(work: Path) -> dict:
+    out = work / "qwen2.5-coder-0.5b-instruct"
+    return dict(folder=str(out), **run([sys.executable, "tools/qwen_checkpoint.py", "--out", str(out), "--work",
+                                        str(work / "downloads")], 900))
+
+
+def stage_warmup(work: Path, tokens: int, context: int, budget: tuple[int, int], inits: list[str],
+                 lr: float, time_budget: float) -> list[dict]:
+    src = work / "qwen2.5-coder-0.5b-instruct"
+    res = []
+    bs, k = budget
+    for init in inits:
+        run_dir = work / f"warm_{init}_b{bs}"
+        cmd = [sys.executable, "-m", "msakit", "convert", str(src), "--out", str(run_dir), "--train", "index",
+               "--index-init", init, "--init-blocks", "1", "--kl-tokens", "all", "--block-size", str(bs),
+               "--topk", str(k), "--context", str(context), "--long-min-tokens", str(context),
+               "--max-tokens", str(tokens), "--max-train-tokens", str(tokens), "--eval-rows", "2", "--time-budget", str(time_budget), "--index-lr", str(lr),
+               "--device", DEVICE, "--dtype", "bfloat16", "--no-progress"]
+        r = run(cmd, time_budget + 600)
+        r.update(init=init, run_dir=str(run_dir), model=str(run_dir / "model"))
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            r["metrics"] = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()][-40:]
+        res.append(r)
+    return res
+
+
+def stage_eval(work: Path, out: Path, lengths: str, samples: int, warmed: list[dict], budget: tuple[int, int],
+               models: list[str]) -> list[dict]:
+    bs, k = budget
+    src = work / "qwen2.5-coder-0.5b-instruct"
+    common = ["--tasks", "loss,passkey,niah,vt", "--lengths", lengths, "--depths", "0.1,0.5,0.9",
+              "--budget", f"block{bs}-top{k}", "--samples", str(samples), "--seed", "0", "--device", DEVICE,
+              "--dtype", "bfloat16", "--no-progress"]
+    jobs = []
+    if "base" in models:
+        jobs.append(("base", src, "dense,last1024,window0,window,oracle,msa", ["--init-blocks", "1"]))
+    jobs += [(f"warm_{w['init']}", Path(w["model"]), "msa", []) for w in warmed
+             if w.get("rc") == 0 and f"warm_{w['init']}" in models]
+    res = []
+    for name, model, policies, extra in jobs:
+        eval_dir = work / f"eval_{name}_b{bs}"
+        resume = ["--resume"] if (eval_dir / "results.jsonl").is_file() else []  # a cut call continues
+        r = run([sys.executable, "-m", "msakit", "eval", "--model", str(model), "--policies", policies,
+                 "--out", str(eval_dir), *common, *extra, *resume], 1800)
+        r["name"] = name
+        summ = eval_dir / "summary.json"
+        if summ.is_file():
+            r["summary"] = json.loads(summ.read_text())
+            for f in ("summary.json", "table.md", "results.jsonl", "plot.png"):
+                if (eval_dir / f).is_file():
+                    (out / f"eval_{name}_b{bs}_{f}").write_bytes((eval_dir / f).read_bytes())
+        res.append(r)
+    return res
+
+
+def export_index(warmed: list[dict], out: Path) -> None:
+    """The warmed index weights (bf16) for the CPU evaluation."""
+    from safetensors.torch import load_file, save_file
+
+    for w in warmed:
+        folder = Path(w["model"])
+        tensors = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            tensors.update({n: t for n, t in load_file(str(f)).items() if ".self_attn.index_" in n})
+        if tensors:
+            save_file({n: t.to(torch.bfloat16).contiguous() for n, t in tensors.items()},
+                      str(out / f"index_{w['init']}.safetensors"))
+            cfg = folder / "config.json"
+            if cfg.is_file():
+                (out / f"index_{w['init']}_config.json").write_text(cfg.read_text())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=("ops", "build", "warmup", "eval", "all"))
+    ap.add_argument("--work", type=Path, default=Path("~/msakit_convert").expanduser())
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/convert_eval")))
+    ap.add_argument("--tokens", type=int, default=2_000_000, help="warm-up tokens per init")
+    ap.add_argument("--context", type=int, default=4096, help="warm-up sequence length")
+    ap.add_argument("--time-budget", type=float, default=150.0, help="warm-up seconds per init")
+    ap.add_argument("--index-lr", type=float, default=1e-3)
+    ap.add_argument("--inits", default="random,qk")
+    ap.add_argument("--lengths", default="4096,8192,16384,32768")
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--budget", default="64,8")
+    ap.add_argument("--models", default="base,warm_random,warm_qk", help="what the eval stage evaluates")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    budget = tuple(int(x) for x in args.budget.split(","))
+    result: dict = dict(env=env_info(), budget=budget, args={k: str(v) for k, v in vars(args).items()})
+    path = args.out / f"convert_eval_{gpu_tag()}_{args.stage}.json"
+    stages = ["ops", "build", "warmup", "eval"] if args.stage == "all" else [args.stage]
+    try:
+        for st in stages:
+            t0 = time.time()
+            if st == "ops":
+                result["ops"] = stage_ops()
+            elif st == "build":
+                result["build"] = stage_build(args.work)
+            elif st == "warmup":
+                result["warmup"] = stage_warmup(args.work, args.tokens, args.context, budget,
+                                                args.inits.split(","), args.index_lr, args.time_budget)
+                export_index(result["warmup"], args.out)
+            elif st == "eval":
+                warmed = result.get("warmup")
+                if warmed is None:
+                    warmed = [dict(init=i, rc=0, model=str(args.work / f"warm_{i}_b{budget[0]}" / "model"))
+                              for i in args.inits.split(",")
+                              if (args.work / f"warm_{i}_b{budget[0]}" / "model").is_dir()]
+                result["eval"] = stage_eval(args.work, args.out, args.lengths, args.samples, warmed, budget,
+                                            args.models.split(","))
+            result.setdefault("seconds", {})[st] = time.time() - t0
+    finally:
+        save_json(path, result)
+        log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
