@@ -29,6 +29,7 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
 }
 
 
@@ -45,6 +46,17 @@ def converted(kind: str = "qwen2", mode: str = "sparse", **kw) -> MSAWrappedMode
     model = convert_dense_to_msa(tiny(kind, **kw), block_size=8, topk_blocks=2, init_blocks=1)
     model.set_attention_mode(mode)
     return model.eval()
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_mode_equals_hf(kind: str, dtype: torch.dtype) -> None:
+    hf = tiny(kind, tie=kind == "llama", heads=8, kv=2).to(dtype)  # GQA 4:1
+    ids = torch.randint(0, 96, (2, 33))
+    with torch.no_grad():
+        ref = hf(ids).logits.clone()
+        model = convert_dense_to_msa(hf, block_size=8, topk_blocks=2)
+        assert torch.equal(model(ids, compute_kl=False).logits, ref)
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
