@@ -23,7 +23,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from msakit.distributed.args import add_distributed_args
     from msakit.models.convert import INDEX_INITS
     from msakit.nn.attention import KL_TOKENS
-    from msakit.train.run import DTYPES, NONNEG_INT, POS_FLOAT, POS_INT, TRAIN_WHAT, add_data_args, add_optim_args
+    from msakit.train.run import DTYPES, NONNEG_INT, POS_FLOAT, POS_INT, add_data_args, add_optim_args
+    from msakit.train.trainer import TRAIN_WHAT
 
     p = command_parser(subparsers, __doc__)
     p.add_argument("source", metavar="SOURCE", nargs="?", default=None,

@@ -89,6 +89,8 @@ class TrainConfig:
             raise ValueError(f"kl_tokens must be one of {KL_TOKENS}, got {self.kl_tokens!r}")
         if self.index_lr is not None and not self.index_lr > 0:
             raise ValueError(f"index_lr must be positive, got {self.index_lr}")
+        if self.train == "index" and self.index_lr is not None:  # only the index trains: its lr is the run's
+            self.lr, self.index_lr = self.index_lr, None
         if self.train == "index" and self.kl_every != 1:
             raise ValueError(f"kl_every must be 1 when only the index branch trains (the KL is its only loss), "
                              f"got {self.kl_every}")
@@ -386,8 +388,6 @@ class Trainer:
                 torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         lr = lr_at(cfg, self.step)
         optimizer_step(self.optimizer, lr)
-        if cfg.index_lr is not None and index_only:
-            lr = lr * cfg.index_lr / cfg.lr  # the index branch's, the only one training
         if el is not None and el.numel():
             if par is not None:
                 from msakit.distributed.fsdp import sync_expert_load
