@@ -8,8 +8,9 @@ Stages (each a subcommand; `all` runs them in order):
            chunked PyTorch path (index_topk: the selected blocks' score mass; sparse_attention and
            index_kl_loss: max error), and the KL over all tokens (chunked path) time and memory.
   build    the HF folder from the GGUF (tools/qwen_checkpoint.py --work WORK: WORK holds the GGUF).
-  warmup   `msakit convert --train index` per init (random, qk): index branch only, KL over all
-           causal tokens, block 0 forced (--init-blocks 1); the converted model saved per init.
+  warmup   `msakit convert --train index` per init (random, qk): index branch only, batch 1,
+           KL over all causal tokens (--kl-tokens), block 0 forced (--init-blocks 1), files of
+           4K tokens or more held out; the converted model saved per init.
   eval     `msakit eval` of the dense model (dense, last1024, window, window0, oracle, msa
            untrained) and of each warmed model (msa), lengths 4K-32K; then the table.
 
@@ -23,11 +24,13 @@ CPU can evaluate the same indexer) into --out.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
-import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +42,9 @@ from benchmarks.common import env_info, gpu_tag, save_json  # noqa: E402
 
 QWEN = dict(Hq=14, G=2, D=64, Di=64)
 BUDGETS = ((64, 8), (128, 16))
+# files of at least this many tokens are held out of the warm-up's rows: every document the
+# eval reads (>= its shortest length, 4K) is then unseen by the indexer
+HELD_OUT_MIN = 4096
 DEVICE = os.environ.get("MSAKIT_DEVICE", "cuda")  # "cpu" for a dry run of the script
 
 
@@ -56,8 +62,22 @@ def _cuda_time(fn, reps: int = 3) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _timed(row: dict, name: str, fn):
+    """Run fn twice, synchronised; record the first call (compilation included) and the second."""
+    out = None
+    for tag in ("first", "second"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        row[f"{name}_{tag}_s"] = round(time.perf_counter() - t0, 4)
+        log(f"  {name} {tag} call {row[f'{name}_{tag}_s']:.3f}s")
+    return out
+
+
 def stage_ops(lengths=(4096, 32768)) -> list[dict]:
-    """Kernels vs the chunked path at the model's shapes."""
+    """Kernels vs the chunked path at the model's shapes; every op's first and second call timed
+    (and logged at once, so that a slow compilation or a hang shows which op it is)."""
     from msakit import ops
     from msakit.ops.index_kl.chunked import index_kl_loss_chunked
     from msakit.ops.sparse_attention.chunked import sparse_attention_chunked
@@ -73,28 +93,28 @@ def stage_ops(lengths=(4096, 32768)) -> list[dict]:
             qi = torch.randn(1, T, G, Di, device="cuda", dtype=torch.bfloat16, generator=g)
             ki = torch.randn(1, T, Di, device="cuda", dtype=torch.bfloat16, generator=g)
             row = dict(T=T, block_size=bs, topk=k)
+            log(f"ops T={T} block {bs} top-{k}")
             try:
-                bi = ops.index_topk(qi, ki, block_size=bs, topk=k, local_blocks=1, init_blocks=1)
-                ref = ops.index_topk(qi, ki, block_size=bs, topk=k, local_blocks=1, init_blocks=1, backend="reference") \
-                    if T <= 8192 else None
-                if ref is not None:
+                sel = dict(block_size=bs, topk=k, local_blocks=1, init_blocks=1)
+                bi = _timed(row, "index_topk", lambda: ops.index_topk(qi, ki, **sel))
+                if T <= 8192:
+                    ref = _timed(row, "index_topk_reference", lambda: ops.index_topk(qi, ki, **sel, backend="reference"))
                     row["topk_same_sets"] = float((bi.sort(-1).values == ref.sort(-1).values).all(-1).float().mean())
-                o = ops.sparse_attention(q, kk, v, bi, block_size=bs)
-                oc = sparse_attention_chunked(q, kk, v, bi, block_size=bs)
+                o = _timed(row, "sparse_attention", lambda: ops.sparse_attention(q, kk, v, bi, block_size=bs))
+                oc = _timed(row, "sparse_attention_chunked", lambda: sparse_attention_chunked(q, kk, v, bi, block_size=bs))
                 row["sparse_attention_max_err"] = float((o.float() - oc.float()).abs().max())
-                row["sparse_attention_ms"] = 1e3 * _cuda_time(lambda: ops.sparse_attention(q, kk, v, bi, block_size=bs))
+                qg, kg, vg = (t.clone().requires_grad_() for t in (q, kk, v))
+                _timed(row, "sparse_attention_fwd_bwd",
+                       lambda: ops.sparse_attention(qg, kg, vg, bi, block_size=bs).float().square().mean().backward())
                 qi_g, ki_g = qi.clone().requires_grad_(), ki.clone().requires_grad_()
-                kl = ops.index_kl_loss(q, kk, qi_g, ki_g, bi, block_size=bs)
-                klc = index_kl_loss_chunked(q, kk, qi, ki, bi, block_size=bs)
+                kl = _timed(row, "index_kl_fwd_bwd", lambda: _fwd_bwd(ops.index_kl_loss(q, kk, qi_g, ki_g, bi, block_size=bs)))
+                klc = _timed(row, "index_kl_chunked", lambda: index_kl_loss_chunked(q, kk, qi, ki, bi, block_size=bs))
                 row["index_kl"] = float(kl)
                 row["index_kl_rel_err"] = float((kl.float() - klc.float()).abs() / klc.float().abs().clamp_min(1e-12))
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-                t0 = time.perf_counter()
-                kla = ops.index_kl_loss(q, kk, qi_g, ki_g, None, block_size=bs, over="all")
-                kla.backward()
-                torch.cuda.synchronize()
-                row["kl_all_fwd_bwd_ms"] = 1e3 * (time.perf_counter() - t0)
+                _timed(row, "kl_all_fwd_bwd",
+                       lambda: _fwd_bwd(ops.index_kl_loss(q, kk, qi_g, ki_g, None, block_size=bs, over="all")))
                 row["kl_all_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
                 row["ok"] = bool(row["sparse_attention_max_err"] < 0.05 and row["index_kl_rel_err"] < 1e-2
                                  and row.get("topk_same_sets", 1.0) > 0.99)
@@ -108,34 +128,57 @@ def stage_ops(lengths=(4096, 32768)) -> list[dict]:
     return rows
 
 
-def run(cmd: list[str], timeout: float) -> dict:
+def _fwd_bwd(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss.detach()
+
+
+def run(cmd: list[str], timeout: float, log_file: Path | None = None) -> dict:
+    """Run `cmd`, streaming its output line by line (and into `log_file`); past `timeout` the child
+    gets SIGABRT first, so that its faulthandler prints where it was, then SIGKILL."""
     log("$ " + " ".join(cmd))
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    tail = p.stdout[-3000:]
-    print(tail, flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    fh = log_file.open("a") if log_file else None
+    timer = threading.Timer(timeout, lambda: (p.send_signal(signal.SIGABRT), time.sleep(5), p.kill()))
+    timer.start()
+    try:
+        for line in p.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+            if fh:
+                fh.write(line)
+                fh.flush()
+        p.wait()
+    finally:
+        timer.cancel()
+        if fh:
+            fh.close()
+    tail = "".join(lines)[-3000:]
     return dict(cmd=cmd, rc=p.returncode, seconds=time.time() - t0, tail=tail[-1500:])
 
 
 def stage_build(work: Path) -> dict:
     out = work / "qwen2.5-coder-0.5b-instruct"
     return dict(folder=str(out), **run([sys.executable, "tools/qwen_checkpoint.py", "--out", str(out), "--work",
-                                        str(work / "downloads")], 900))
+                                        str(work / "downloads")], 900, None))
 
 
-def stage_warmup(work: Path, tokens: int, context: int, budget: tuple[int, int], inits: list[str],
-                 lr: float, time_budget: float) -> list[dict]:
+def stage_warmup(work: Path, out: Path, tokens: int, context: int, budget: tuple[int, int], inits: list[str],
+                 lr: float, time_budget: float, kl_tokens: str = "all") -> list[dict]:
     src = work / "qwen2.5-coder-0.5b-instruct"
     res = []
     bs, k = budget
     for init in inits:
         run_dir = work / f"warm_{init}_b{bs}"
         cmd = [sys.executable, "-m", "msakit", "convert", str(src), "--out", str(run_dir), "--train", "index",
-               "--index-init", init, "--init-blocks", "1", "--kl-tokens", "all", "--block-size", str(bs),
-               "--topk", str(k), "--context", str(context), "--long-min-tokens", str(context),
+               "--index-init", init, "--init-blocks", "1", "--kl-tokens", kl_tokens, "--block-size", str(bs),
+               "--topk", str(k), "--context", str(context), "--long-min-tokens", str(HELD_OUT_MIN), "--batch-size", "1",
                "--max-tokens", str(tokens), "--max-train-tokens", str(tokens), "--eval-rows", "2", "--time-budget", str(time_budget), "--index-lr", str(lr),
-               "--device", DEVICE, "--dtype", "bfloat16", "--no-progress"]
-        r = run(cmd, time_budget + 600)
+               "--device", DEVICE, "--dtype", "bfloat16", "--no-progress", "--log-every", "2"]
+        r = run(cmd, time_budget + 300, out / f"log_warm_{init}_b{bs}.txt")
         r.update(init=init, run_dir=str(run_dir), model=str(run_dir / "model"))
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file():
@@ -161,7 +204,7 @@ def stage_eval(work: Path, out: Path, lengths: str, samples: int, warmed: list[d
         eval_dir = work / f"eval_{name}_b{bs}"
         resume = ["--resume"] if (eval_dir / "results.jsonl").is_file() else []  # a cut call continues
         r = run([sys.executable, "-m", "msakit", "eval", "--model", str(model), "--policies", policies,
-                 "--out", str(eval_dir), *common, *extra, *resume], 1800)
+                 "--out", str(eval_dir), *common, *extra, *resume], 1800, out / f"log_eval_{name}_b{bs}.txt")
         r["name"] = name
         summ = eval_dir / "summary.json"
         if summ.is_file():
@@ -199,6 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096, help="warm-up sequence length")
     ap.add_argument("--time-budget", type=float, default=150.0, help="warm-up seconds per init")
     ap.add_argument("--index-lr", type=float, default=1e-3)
+    ap.add_argument("--kl-tokens", default="all", choices=("all", "selected"), help="the warm-up's KL tokens")
     ap.add_argument("--inits", default="random,qk")
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--samples", type=int, default=4)
@@ -214,12 +258,16 @@ def main(argv=None) -> int:
         for st in stages:
             t0 = time.time()
             if st == "ops":
-                result["ops"] = stage_ops()
+                faulthandler.dump_traceback_later(60, repeat=True)  # a hang shows where it is
+                try:
+                    result["ops"] = stage_ops()
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
             elif st == "build":
                 result["build"] = stage_build(args.work)
             elif st == "warmup":
-                result["warmup"] = stage_warmup(args.work, args.tokens, args.context, budget,
-                                                args.inits.split(","), args.index_lr, args.time_budget)
+                result["warmup"] = stage_warmup(args.work, args.out, args.tokens, args.context, budget,
+                                                args.inits.split(","), args.index_lr, args.time_budget, args.kl_tokens)
                 export_index(result["warmup"], args.out)
             elif st == "eval":
                 warmed = result.get("warmup")

@@ -578,7 +578,10 @@ class Trainer:
                         post["kl"] = f"{rec['kl']:.3f}"
                     bar.set_postfix(post)
                 if self.step % cfg.log_every == 0 or last:
-                    self._log(self._interval_record(recent))
+                    rec_i = self._interval_record(recent)
+                    self._log(rec_i)
+                    if bar is None and self.is_main:  # no bar (a log file, not a terminal): one line per record
+                        print(train_line(rec_i), flush=True)
                     recent = []
                 if self._val and (self.step % cfg.eval_every == 0 or last):
                     ev = self.eval_record()
@@ -616,6 +619,13 @@ def find_sharded(path: str | os.PathLike) -> Path | None:
     if latest.is_file():
         return p / SHARDED_DIR / latest.read_text().strip()
     return None
+
+
+def train_line(rec: dict) -> str:
+    """One line of a training interval record: step, loss and KL where present, tokens, seconds."""
+    parts = [f"{k} {rec[k]:.4f}" for k in ("loss", "kl") if rec.get(k) is not None]
+    parts.append(f"{rec['tokens']:,} tokens")
+    return f"step {rec['step']}: {', '.join(parts)}, {rec['elapsed_s']:.0f}s"
 
 
 def eval_line(rec: dict) -> str:

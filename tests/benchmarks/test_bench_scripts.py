@@ -253,3 +253,18 @@ def test_every_script_imports(name):
     mod = importlib.import_module(f"benchmarks.{name}")
     if hasattr(mod, "main"):
         assert callable(mod.main)
+
+
+def test_convert_eval_run_streams_logs_and_stops_a_hang(tmp_path, capsys):
+    import time
+
+    from benchmarks import convert_eval
+
+    log = tmp_path / "log.txt"
+    r = convert_eval.run([sys.executable, "-c", "print('one'); print('two')"], 60, log)
+    assert r["rc"] == 0 and "two" in r["tail"]
+    assert log.read_text().splitlines() == ["one", "two"]
+    assert "one" in capsys.readouterr().out  # streamed as it came
+    t0 = time.time()
+    r = convert_eval.run([sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"], 1.0)
+    assert r["rc"] != 0 and "start" in r["tail"] and time.time() - t0 < 30

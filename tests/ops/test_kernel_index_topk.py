@@ -56,6 +56,9 @@ CASES = {
     "fewer_blocks_than_topk": (1, 70, 2, 16, 32, 8, 1, 0, torch.bfloat16),
     "groups_3_batch_2": (2, 150, 3, 16, 16, 5, 1, 0, torch.bfloat16),
     "local2_init1": (1, 260, 2, 32, 16, 6, 2, 1, torch.bfloat16),
+    # Qwen2.5's index shapes with a forced first block: 2 slots per lane and the init loop (the
+    # shape whose quad shuffle once hung on the GPU)
+    "top8_init1_Di64": (1, 512, 2, 64, 64, 8, 1, 1, torch.bfloat16),
     "block_not_mult16_Di24": (1, 130, 1, 24, 20, 3, 1, 1, torch.bfloat16),
     "block_160_subtiles": (1, 400, 1, 16, 160, 2, 1, 0, torch.bfloat16),
     "block_48_topk1": (1, 150, 2, 16, 48, 1, 1, 0, torch.bfloat16),

@@ -135,3 +135,10 @@ def test_doc_attention_path_trains(data, tmp_path):
     a, b = seg[1] if len(seg) > 1 else seg[0]
     alone = model(ids[:, a:b]).logits
     assert torch.allclose(out.logits[:, a:b], alone, atol=1e-4)
+
+
+def test_train_line_names_what_the_record_has():
+    from msakit.train.trainer import train_line
+
+    assert train_line(dict(step=3, loss=1.5, kl=None, tokens=1234, elapsed_s=2.2)) == "step 3: loss 1.5000, 1,234 tokens, 2s"
+    assert train_line(dict(step=4, loss=None, kl=0.25, tokens=9, elapsed_s=10.0)) == "step 4: kl 0.2500, 9 tokens, 10s"

@@ -13,7 +13,9 @@ matmul over one key block.  Two passes per chunk, never a [T, T] tensor:
 
 The loss and both gradients come out of the forward; the backward scales them by the incoming
 gradient (the same contract as the Triton path).  With over="all" the selection is every token
-j <= i (the dense causal distribution), whatever block_idx holds.
+j <= i (the dense causal distribution), whatever block_idx holds: that case has no pieces, only
+query-row chunks of dense [heads, C, keys] matmuls against the causal prefix (`_kl_all_sum`),
+a few large launches per chunk instead of one per key block.
 """
 
 from __future__ import annotations
@@ -114,6 +116,39 @@ def _kl_sum(q, k, q_idx, k_idx, block_idx, lse, block_size, scale, iscale, chunk
     return total, dq_idx, dk_idx
 
 
+def _kl_all_sum(q, k, q_idx, k_idx, scale, iscale, chunk, coeff, want_grad):
+    """`_kl_sum` with every token j <= i selected (over="all"), on one document: per chunk of C
+    query rows, the main scores [B, Hq, C, i0 + C] and the index scores [B, G, C, i0 + C] against
+    the causal prefix, both as dense batched matmuls."""
+    B, T, Hq, D = q.shape
+    G, Di = k.shape[2], q_idx.shape[-1]
+    hpg = Hq // G
+    cdt = compute_dtype(q_idx)
+    qg = q.to(cdt).view(B, T, G, hpg, D).permute(0, 2, 3, 1, 4)  # [B, G, hpg, T, D]
+    kg = k.to(cdt).permute(0, 2, 1, 3)  # [B, G, T, D]
+    qi = q_idx.to(cdt).transpose(1, 2)  # [B, G, T, Di]
+    ki = k_idx.to(cdt)  # [B, T, Di]
+    total = torch.zeros((), dtype=cdt, device=q.device)
+    dq_idx = torch.zeros(B, G, T, Di, dtype=cdt, device=q.device) if want_grad else None
+    dk_idx = torch.zeros(B, T, Di, dtype=cdt, device=q.device) if want_grad else None
+    for i0 in range(0, T, chunk):
+        C = min(chunk, T - i0)
+        L = i0 + C  # keys 0 .. L - 1 (the causal prefix of the chunk's last row)
+        causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(i0, L, device=q.device)[:, None]  # [C, L]
+        s = torch.matmul(qg[:, :, :, i0:L], kg[:, :, None, :L].transpose(-1, -2)).mul_(scale)  # [B, G, hpg, C, L]
+        P = torch.softmax(s.masked_fill_(~causal, float("-inf")), dim=-1).mean(dim=2)  # [B, G, C, L]
+        z = torch.matmul(qi[:, :, i0:L], ki[:, None, :L].transpose(-1, -2)).mul_(iscale)  # [B, G, C, L]
+        logq = torch.log_softmax(z.masked_fill_(~causal, _NEG), dim=-1)  # finite: P is 0 where masked
+        total = total + (torch.xlogy(P, P) - P * logq).sum()
+        if want_grad:
+            dz = logq.exp_().sub_(P).mul_(iscale * coeff)  # (P_idx - P) * iscale * coeff, 0 where masked
+            dq_idx[:, :, i0:L] = torch.matmul(dz, ki[:, None, :L])
+            dk_idx[:, :L] += torch.matmul(dz.transpose(-1, -2), qi[:, :, i0:L]).sum(dim=1)
+    if not want_grad:
+        return total, None, None
+    return total, dq_idx.transpose(1, 2), dk_idx
+
+
 class _ChunkedIndexKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_idx, k_idx, value, dq_idx, dk_idx):
@@ -176,10 +211,14 @@ def index_kl_loss_chunked(
         for s, e in spans:
             bi = None if over == "all" else block_idx[:, :, s:e]
             ls = None if lse is None or over == "all" else lse[:, :, s:e]
-            K = (e - s + block_size - 1) // block_size if bi is None else bi.shape[-1]
-            n = chunk or chunk_rows_for(e - s, B * G * K * (2 * Hq // G + 4) * block_size * 4)
-            part, dq, dk = _kl_sum(q[:, s:e], k[:, s:e], q_idx[:, s:e].detach(), k_idx[:, s:e].detach(), bi, ls,
-                                   int(block_size), scale, iscale, int(n), coeff, want_grad)
+            args = (q[:, s:e], k[:, s:e], q_idx[:, s:e].detach(), k_idx[:, s:e].detach())
+            if bi is None:  # every token j <= i: dense row chunks ([B, Hq + 3 G, C, keys] floats each)
+                n = chunk or chunk_rows_for(e - s, B * (Hq + 3 * G) * (e - s) * 4)
+                part, dq, dk = _kl_all_sum(*args, scale, iscale, int(n), coeff, want_grad)
+            else:
+                K = bi.shape[-1]
+                n = chunk or chunk_rows_for(e - s, B * G * K * (2 * Hq // G + 4) * block_size * 4)
+                part, dq, dk = _kl_sum(*args, bi, ls, int(block_size), scale, iscale, int(n), coeff, want_grad)
             total = total + part
             if want_grad:
                 dq_idx[:, s:e] = dq
