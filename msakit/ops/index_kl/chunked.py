@@ -213,11 +213,11 @@ def index_kl_loss_chunked(
             ls = None if lse is None or over == "all" else lse[:, :, s:e]
             args = (q[:, s:e], k[:, s:e], q_idx[:, s:e].detach(), k_idx[:, s:e].detach())
             if bi is None:  # every token j <= i: dense row chunks ([B, Hq + 3 G, C, keys] floats each)
-                n = chunk or chunk_rows_for(e - s, B * (Hq + 3 * G) * (e - s) * 4)
+                n = chunk or chunk_rows_for(e - s, B * (Hq + 3 * G) * (e - s) * 4, q.device)
                 part, dq, dk = _kl_all_sum(*args, scale, iscale, int(n), coeff, want_grad)
             else:
                 K = bi.shape[-1]
-                n = chunk or chunk_rows_for(e - s, B * G * K * (2 * Hq // G + 4) * block_size * 4)
+                n = chunk or chunk_rows_for(e - s, B * G * K * (2 * Hq // G + 4) * block_size * 4, q.device)
                 part, dq, dk = _kl_sum(*args, bi, ls, int(block_size), scale, iscale, int(n), coeff, want_grad)
             total = total + part
             if want_grad:

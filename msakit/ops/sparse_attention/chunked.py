@@ -26,6 +26,7 @@ __all__ = ["sparse_attention_chunked", "block_pieces", "BlockPieces", "key_block
 
 # Bytes of one chunk's scores and per-pair buffers; bounds the memory of a call beyond its inputs and outputs.
 CHUNK_BYTES = 1 << 26
+CUDA_CHUNK_BYTES = 1 << 30
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -33,9 +34,11 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def chunk_rows_for(T: int, pair_bytes_per_row: int) -> int:
-    """Query rows per chunk so that a chunk's pair buffers stay within CHUNK_BYTES."""
-    return max(1, min(T, CHUNK_BYTES // max(1, pair_bytes_per_row)))
+def chunk_rows_for(T: int, pair_bytes_per_row: int, device: torch.device | None = None) -> int:
+    """Query rows per chunk so that a chunk's pair buffers stay within CHUNK_BYTES (CPU), or
+    CUDA_CHUNK_BYTES on a GPU, where the number of launches rather than the cache sets the cost."""
+    budget = CUDA_CHUNK_BYTES if device is not None and device.type == "cuda" else CHUNK_BYTES
+    return max(1, min(T, budget // max(1, pair_bytes_per_row)))
 
 
 @dataclass
@@ -296,7 +299,7 @@ def sparse_attention_chunked(
             qs, ks, vs, bis = q, k, v, block_idx
         else:
             qs, ks, vs, bis = q[:, s:e], k[:, s:e], v[:, s:e], block_idx[:, :, s:e]
-        n = chunk or chunk_rows_for(e - s, B * K * Hq * (D + block_size + 3) * 4)
+        n = chunk or chunk_rows_for(e - s, B * K * Hq * (D + block_size + 3) * 4, q.device)
         o, lse = _ChunkedSparseAttention.apply(qs, ks, vs, bis, int(block_size), scale, int(n))
         outs.append(o)
         lses.append(lse)
