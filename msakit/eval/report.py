@@ -123,6 +123,13 @@ def plot(summary: dict[str, Any], path: str | os.PathLike[str]) -> Path | None:
 
     nrow = 2 if tasks else 1
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    # policies often score the same (0 or 100 %): each gets its own marker, line style and a small
+    # vertical offset on the accuracy axes, so that equal curves stay visible side by side
+    pols = list(st["policies"])
+    style = {pol: dict(marker="osD^vP*X"[i % 8], linestyle=("-", "--", "-.", ":")[i % 4], alpha=0.85,
+                       markersize=5, markerfacecolor="none" if i % 2 else None)
+             for i, pol in enumerate(pols)}
+    lift = {pol: 1.2 * (i - (len(pols) - 1) / 2) for i, pol in enumerate(pols)}  # accuracy points
     for c, t in enumerate(tasks):
         ax_len, ax_d = axes[0][c], axes[1][c]
         for pol in st["policies"]:
@@ -130,17 +137,17 @@ def plot(summary: dict[str, Any], path: str | os.PathLike[str]) -> Path | None:
             ls = [n for n in st["lengths"] if str(n) in e]
             if not ls:
                 continue
-            ax_len.plot(ls, [100 * e[str(n)]["accuracy"] for n in ls], marker="o", label=pol)
+            ax_len.plot(ls, [100 * e[str(n)]["accuracy"] + lift[pol] for n in ls], label=pol, **style[pol])
             ds = [d for d in st["depths"] if any(_depth_key(d) in e[str(n)]["by_depth"] for n in ls)]
             acc = []
             for d in ds:
                 v = [e[str(n)]["by_depth"][_depth_key(d)] for n in ls if _depth_key(d) in e[str(n)]["by_depth"]]
                 acc.append(100 * sum(v) / len(v))
-            ax_d.plot(ds, acc, marker="o", label=pol)
-        ax_len.set(title=f"{t}: accuracy by length", xlabel="context (tokens)", ylabel="exact match %", ylim=(-5, 105))
+            ax_d.plot(ds, [a + lift[pol] for a in acc], label=pol, **style[pol])
+        ax_len.set(title=f"{t}: accuracy by length", xlabel="context (tokens)", ylabel="exact match % (curves offset)", ylim=(-8, 108))
         ax_len.set_xscale("log", base=2)
-        ax_d.set(title=f"{t}: accuracy by depth (mean over lengths)", xlabel="needle depth", ylabel="exact match %",
-                 ylim=(-5, 105))
+        ax_d.set(title=f"{t}: accuracy by depth (mean over lengths)", xlabel="needle depth",
+                 ylabel="exact match % (curves offset)", ylim=(-8, 108))
         ax_len.legend(fontsize=7)
     if has_loss:
         ax = axes[0][ncol - 1]
@@ -150,7 +157,7 @@ def plot(summary: dict[str, Any], path: str | os.PathLike[str]) -> Path | None:
                 continue
             L = max(by_len, key=int)
             labs = sorted(by_len[L]["buckets"], key=bucket_start)
-            ax.plot(range(len(labs)), [by_len[L]["buckets"][b] for b in labs], marker="o", label=f"{pol} ({L})")
+            ax.plot(range(len(labs)), [by_len[L]["buckets"][b] for b in labs], label=f"{pol} ({L})", **style[pol])
             ax.set_xticks(range(len(labs)), labs, rotation=45, fontsize=7)
         ax.set(title="loss by position", xlabel="position bucket", ylabel="mean NLL (nats)")
         ax.legend(fontsize=7)
