@@ -17,6 +17,13 @@ tokens (the difference over 32 steps: prefill cancels), with the CUDA-graph step
 
     python benchmarks/generate.py [--contexts 1024 32768 131072] [--new 64] [--batch 1] [--quick]
     python benchmarks/generate.py --profile [--contexts 4096 32768 131072]
+    python benchmarks/generate.py --compile [--contexts 4096 32768 131072]
+
+--compile: the CUDA-graphed step uncompiled ("eager") against the CUDA-graphed step under
+torch.compile (`generate(..., compile=True)`: inductor fuses the step's elementwise work, msakit
+captures the compiled step) in the same run: ms per token and tokens/s of each (as above), the
+first call's seconds (compilation and capture), and the kernels of one step of each by kind
+(torch.profiler over 16 replayed steps of the pooled decoder, prefill outside the profile).
 
 Writes benchmarks/results/generate_<gpu><tag>.json (and --out / $OUT) and prints a table.
 """
@@ -110,10 +117,16 @@ def build(context: int, new: int, batch: int, seed: int = 0):
     return model, ids
 
 
-def gen_fn(model, ids, *, cuda_graph: bool | None = None, cache: str | None = None):
+def gen_fn(model, ids, *, cuda_graph: bool | None = None, cache: str | None = None, compile: bool | None = None):
     """n -> model.generate(ids, n, greedy) with the given options where generate takes them."""
-    params = inspect.signature(model.generate).parameters
+    from msakit.generate import generate
+
+    params = inspect.signature(generate).parameters
     kw = {}
+    if compile is not None:
+        if "compile" not in params:
+            raise ValueError("this msakit's generate has no compile option")
+        kw["compile"] = compile
     if cuda_graph is not None and "cuda_graph" in params:
         kw["cuda_graph"] = cuda_graph
     if cache is not None and "cache" in params:
@@ -157,6 +170,67 @@ def profile_row(gen, steps: tuple[int, int] = (8, 40)) -> dict:
             "warnings": sorted({str(w.message)[:200] for w in caught})}
 
 
+def step_profile(model, ids, max_len: int, compile: bool, steps: int = 16) -> dict:
+    """Kernels per decode step of the CUDA-graphed paged step (compiled or not): the pooled
+    decoder `generate` used for this shape, its prompt prefilled and 3 steps run (capture,
+    compilation) outside the profile, then `steps` greedy steps profiled (argmax included)."""
+    from msakit.generate import decoder_for
+
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        with decoder_for(model, ids.shape[0], max_len, cuda_graph=True, compile=compile) as dec:
+            logits = dec.prefill(ids)
+            for _ in range(3):
+                logits = dec.step(logits.argmax(-1, keepdim=True))
+
+            def run() -> None:
+                lg = logits
+                for _ in range(steps):
+                    lg = dec.step(lg.argmax(-1, keepdim=True))
+
+            ev, top = profiled_kernels(run)
+            reasons = {"graph_disabled_reason": dec.graph_disabled_reason,
+                       "compile_disabled_reason": dec.compile_disabled_reason}
+    return {"kernels_per_step": round(len(ev) / steps, 2),
+            "device_us_per_step": round(sum(u for _, u in ev) / steps, 2),
+            "by_kind": per_step({}, kernel_table(ev), steps), "top_kernels_us": [(n[:120], round(u, 1)) for n, u in top],
+            "warnings": sorted({str(w.message)[:200] for w in caught}), **reasons}
+
+
+def compile_row(model, ids, ctx: int, new: int, batch: int, reps: int) -> dict:
+    """The graphed step uncompiled and compiled (`compile=True`) on one model: speed rows, first
+    call seconds, kernels per step."""
+    import time
+
+    row: dict = {"context": ctx, "batch": batch, "new_tokens": new, "params": sum(p.numel() for p in model.parameters()),
+                 "first_call_s": {}, "profile": {}}
+    for name, comp in (("eager", False), ("compiled", True)):
+        gen = gen_fn(model, ids, compile=comp)
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            gen(2)  # one decode step: its compilation (compiled) and capture
+            torch.cuda.synchronize()
+            row["first_call_s"][name] = round(time.perf_counter() - t0, 2)
+            row[name] = speed_row(gen, ctx, new, batch, reps)
+            row["profile"][name] = step_profile(model, ids, ctx + 2 * new, comp)
+        except Exception as e:  # report the variant and go on
+            row[name] = {"error": repr(e)[:500]}
+            print(f"ctx {ctx} {name}: {e!r}", flush=True)
+            continue
+        r, p = row[name], row["profile"][name]
+        print(f"ctx {ctx:7d} B={batch} {name:8s}: {r['ms_per_token']:.3f} ms/token ({r['tok_s']:7.1f} tok/s steady, "
+              f"{r['tok_s_per_call']:7.1f} per call), first call {row['first_call_s'][name]:.1f} s", flush=True)
+        print_profile(ctx, name, p)
+        for k in ("graph_disabled_reason", "compile_disabled_reason"):
+            if p.get(k):
+                print(f"    {k}: {p[k]}", flush=True)
+    e, c = row.get("eager", {}), row.get("compiled", {})
+    if "ms_per_token" in e and "ms_per_token" in c:
+        row["speedup"] = e["ms_per_token"] / c["ms_per_token"]
+    return row
+
+
 def print_profile(ctx: int, name: str, p: dict) -> None:
     print(f"  profile ctx {ctx} {name}: {p['kernels_per_step']} kernels, {p['device_us_per_step'] / 1e3:.3f} ms of "
           f"device time per step", flush=True)
@@ -173,14 +247,34 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="also time the eager step (cuda_graph=False)")
     ap.add_argument("--profile", action="store_true", help="kernel count and time by kind of one decode step")
+    ap.add_argument("--compile", action="store_true",
+                    help="graphed step uncompiled vs compiled (compile=True): ms/token, tok/s, kernels per step")
     add_run_args(ap, "smoke run: contexts 1024 and 32768, 32 new tokens")
     args = ap.parse_args(argv)
     if args.contexts is None:
-        args.contexts = [4096, 32768, 131072] if args.profile else [1024, 32768, 131072]
+        args.contexts = [4096, 32768, 131072] if (args.profile or args.compile) else [1024, 32768, 131072]
     if args.quick:
-        args.contexts, args.new = [1024, 32768], 32
+        args.contexts, args.new = ([4096, 32768] if args.compile else [1024, 32768]), 32
     info = env_info()
     rows = []
+    if args.compile:
+        for ctx in args.contexts:
+            model, ids = build(ctx, args.new, args.batch)
+            rows.append(compile_row(model, ids, ctx, args.new, args.batch, args.reps))
+            del model, ids
+            torch.cuda.empty_cache()
+            # written after every context: a run cut by its time limit keeps the contexts done
+            save_json(f"generate_{gpu_tag(info)}{args.tag}.json", {"env": info, "preset": "small", "mode": "sparse",
+                      "dtype": "bf16", "compare": "compile", "rows": rows}, args.out)
+        flat = [{"context": r["context"], "batch": r["batch"], **{f"{n}_{k}": r.get(n, {}).get(k, float("nan"))
+                 for n in ("eager", "compiled") for k in ("ms_per_token", "tok_s")},
+                 **{f"{n}_kernels": r["profile"].get(n, {}).get("kernels_per_step", float("nan"))
+                    for n in ("eager", "compiled")}} for r in rows]
+        print_rows(flat, [("context", "context", "d"), ("B", "batch", "d"), ("eager ms/tok", "eager_ms_per_token", ".3f"),
+                          ("compiled ms/tok", "compiled_ms_per_token", ".3f"), ("eager tok/s", "eager_tok_s", ".1f"),
+                          ("compiled tok/s", "compiled_tok_s", ".1f"), ("eager kernels", "eager_kernels", ".1f"),
+                          ("compiled kernels", "compiled_kernels", ".1f")], lead=("context", "batch"))
+        return
     for ctx in args.contexts:
         model, ids = build(ctx, args.new, args.batch)
         try:

@@ -78,6 +78,10 @@ CLAIMS: dict[str, Claim] = {
     "generate_profile": Claim("generate.py", ("--profile",), ("--profile", "--quick"), budget_s=180,
                               quick_budget_s=90, expect_s=90, prefix="generate", tag_suffix="_profile",
                               note="writes generate_<gpu><tag>_profile.json"),
+    # the graphed step uncompiled vs under torch.compile: ms/token, tok/s, kernels per step at 4K / 32K / 128K
+    "generate_compile": Claim("generate.py", ("--compile",), ("--compile", "--quick"), budget_s=300,
+                              quick_budget_s=150, expect_s=180, quick_expect_s=90, prefix="generate",
+                              tag_suffix="_compile", note="writes generate_<gpu><tag>_compile.json"),
     # speculative decoding: run 17's training step for step, speed table at B 1 (T 0 and 1)
     "spec": Claim("spec.py", ("--recipe", "run17", "--speed-batches", "1"), budget_s=330, quick_budget_s=150,
                   expect_s=240, quick_expect_s=80),
@@ -153,6 +157,8 @@ BASELINES: list[tuple] = [
     ("generate", "ctx 128K tok/s (per call)", R11G, ("generate", {"context": 131072}, "paged_tok_s"),
      ("rows", {"context": 131072}, "tok_s_per_call"), True),
     ("generate", "ctx 128K tok/s (steady)", None, None, ("rows", {"context": 131072}, "tok_s"), True),
+    *[("generate_compile", f"ctx {_ctx(T)} {v} ms/token", None, None, ("rows", {"context": T}, v, "ms_per_token"),
+       False) for T in (4096, 32768, 131072) for v in ("eager", "compiled")],
     *[x for T in (0.0, 1.0) for x in (
         ("spec", f"B1 T{T:g} plain tok/s", R17, ("speed", {"batch": 1, "temperature": T}, "plain_tok_s"), None, True),
         ("spec", f"B1 T{T:g} spec tok/s", R17, ("speed", {"batch": 1, "temperature": T}, "spec_tok_s"), None, True),

@@ -36,9 +36,18 @@ padded-bmm MoE fallback, a custom MoE, any sync or capture error) decodes eagerl
 one-time warning (`PagedDecoder.graph_disabled_reason`); a step past max_len runs eagerly.
 Sampling stays outside the graph.  On CPU the eager step is the only path.
 
+Compiled step (`generate(..., compile=True)`, `PagedDecoder(compile=True)`): the static step's
+forward runs under torch.compile (`compiled_step_forward`: fullgraph, static shapes, no inductor
+CUDA graphs), so inductor fuses its elementwise work; each layer's cache write + attention is
+one op opaque to dynamo (`paged_step_attend`, which finds the cache and the plan of the running
+step in a module-level context, so neither is an input of the compiled graph).  With CUDA graphs
+the compiled step runs once before the warm-up (compilation and autotuning synchronize), then is
+captured like the uncompiled one; without them (CPU) every step within max_len runs the
+compiled step from the static buffers.
+
 Kept across calls: `generate` takes its paged decoder from `decoder_for`, a per-model pool
 (`StatePool`) keyed by (batch, max_len rounded up to LENGTH_QUANTUM, kv_dtype, backend,
-cuda_graph), so a later call of the same shape reuses the pools, static buffers and captured
+cuda_graph, compile), so a later call of the same shape reuses the pools, static buffers and captured
 graphs (no new capture); a change of the model's weights or attention modes
 (`model_state_key`) drops them; `clear_decoders` frees them.
 """
@@ -58,7 +67,7 @@ from msakit.cache import KVCache, PagedKVCache, PagedStep
 
 __all__ = ["KVCache", "sample_next", "generate", "generate_uncached", "paged_supported", "PagedDecoder",
            "capture_graph", "GraphCaptureError", "graph_warning", "decoder_for", "clear_decoders", "StatePool", "model_state_key",
-           "round_length"]
+           "round_length", "paged_step_attend", "compiled_step_forward", "COMPILE_OPTIONS"]
 
 CACHE_KINDS = ("auto", "contiguous", "paged")
 
@@ -201,6 +210,90 @@ def _h2d(dst: torch.Tensor, values: list[int]) -> None:
         dst.copy_(src)
 
 
+# ---------------------------------------------------------------------------------------------
+# The compiled step (compile=True): torch.compile over the model's forward, the cache opaque
+# ---------------------------------------------------------------------------------------------
+
+# (cache, plan, backend) of the compiled step now running: `paged_step_attend` reads them here,
+# so the cache's pools and msa_decode's plan are no inputs of the compiled graph (no input
+# mutation for dynamo / inductor to track, no plan object to trace)
+_STEP_CONTEXT: list[tuple[PagedKVCache, Any, str]] = []
+
+
+@torch.library.custom_op("msakit::paged_step_attend", mutates_args=())
+def paged_step_attend(q: torch.Tensor, q_idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+                      k_idx: torch.Tensor | None, slots: torch.Tensor, page_table: torch.Tensor,
+                      seq_lens: torch.Tensor, layer: int, mode: str, topk: int, local_blocks: int,
+                      init_blocks: int) -> torch.Tensor:
+    """One layer's `PagedStep.write` + `PagedStep.attend` as one op opaque to torch.compile, over
+    the cache and plan of the running compiled step (`_STEP_CONTEXT`).  q [B, nq, Hq, D], q_idx
+    [B, nq, G, Di] or None, k / v [B, nq, G, D], k_idx [B, nq, Di] or None, slots int64 [B * nq],
+    page_table int32 [B, W], seq_lens int32 [B] -> o [B, nq, Hq, D] (contiguous, q's dtype).
+    The write into the cache's pools is a side effect the op's schema does not declare: the
+    pools are not inputs of any other op of the graph."""
+    if not _STEP_CONTEXT:
+        raise RuntimeError("msakit::paged_step_attend runs inside PagedDecoder's compiled step only")
+    cache, plan, backend = _STEP_CONTEXT[-1]
+    B, nq = q.shape[:2]
+    step = PagedStep(cache, slots.view(B, nq), slots, page_table, seq_lens, plan, backend)
+    step.write(layer, k, v, k_idx)
+    sel = _Selection(topk, local_blocks, init_blocks)
+    return step.attend(layer, q, q_idx, sel, mode).contiguous()
+
+
+@paged_step_attend.register_fake
+def _paged_step_attend_fake(q, q_idx, k, v, k_idx, slots, page_table, seq_lens, layer, mode, topk, local_blocks,
+                            init_blocks):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+class _Selection:
+    """The selection settings `PagedStep.attend` reads (an MSAConfig's topk / local / init blocks)."""
+
+    def __init__(self, topk: int, local_blocks: int, init_blocks: int) -> None:
+        self.topk, self.local_blocks, self.init_blocks = topk, local_blocks, init_blocks
+
+
+class _OpaqueStep(PagedStep):
+    """The `PagedStep` of the compiled forward: `write` keeps the layer's new keys, `attend`
+    hands them with the queries to `paged_step_attend` (the same write and attention, inside one
+    op dynamo does not trace).  Holds no cache: the op finds it in `_STEP_CONTEXT`."""
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                 seq_lens: torch.Tensor) -> None:
+        self.pos, self.slots, self.page_table, self.seq_lens = positions, slots, page_table, seq_lens
+        self._new: dict[int, tuple] = {}
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None) -> None:
+        self._new[layer] = (k, v, k_idx)
+
+    def attend(self, layer: int, q: torch.Tensor, q_idx: torch.Tensor | None, sel, mode: str) -> torch.Tensor:
+        k, v, k_idx = self._new.pop(layer)
+        return paged_step_attend(q, q_idx, k, v, k_idx, self.slots, self.page_table, self.seq_lens, layer, mode,
+                                 sel.topk, sel.local_blocks, sel.init_blocks)
+
+
+def _step_forward(model: Any, new: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The model's forward over one paged step (what `compile=True` compiles) -> logits [B, V]."""
+    step = _OpaqueStep(positions, slots, page_table, seq_lens)
+    return model(new, cache=step, logits_to_keep=1).logits[:, -1]
+
+
+# torch.compile options of the step: no inductor CUDA graphs (PagedDecoder captures its own graph
+# around the compiled step; "reduce-overhead" would capture a second one inside it)
+COMPILE_OPTIONS: dict[str, Any] = {"fullgraph": True, "dynamic": False, "options": {"triton.cudagraphs": False}}
+_COMPILED: list[Callable[..., torch.Tensor]] = []
+
+
+def compiled_step_forward() -> Callable[..., torch.Tensor]:
+    """`_step_forward` under torch.compile(**COMPILE_OPTIONS) (made once; dynamo keeps one
+    graph per model structure, batch, nq and page-table width: the shapes are static)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_step_forward, **COMPILE_OPTIONS))
+    return _COMPILED[0]
+
+
 class PagedDecoder:
     """Generation state of an M3ForCausalLM on a `PagedKVCache` (one sequence per batch row).
 
@@ -212,10 +305,18 @@ class PagedDecoder:
     cuda_graph=True (CUDA only): `step` replays one CUDA graph per nq (see the module
     docstring); the first step of each nq runs eagerly on a side stream (warm-up, checked for
     host syncs), then captures.  Falls back to the eager step, with a one-time warning naming
-    the reason, when the model's step cannot be captured (`graph_disabled_reason` says why)."""
+    the reason, when the model's step cannot be captured (`graph_disabled_reason` says why).
+
+    compile=True: the step's forward over the static buffers (`static_step`) runs under
+    torch.compile (fullgraph, static shapes, no inductor CUDA graphs; `compiled_step_forward`),
+    the cache's write and attention inside one op opaque to dynamo (`paged_step_attend`); with
+    cuda_graph the compiled step is what the graph captures, without it every step within
+    max_len runs the compiled step from the static buffers (no capture; CPU too).  A step whose
+    compilation fails runs uncompiled with a one-time warning (`compile_disabled_reason`)."""
 
     def __init__(self, model: Any, batch: int, max_len: int, *, kv_dtype: torch.dtype | None = None,
-                 backend: str = "auto", num_pages: int | None = None, cuda_graph: bool = False) -> None:
+                 backend: str = "auto", num_pages: int | None = None, cuda_graph: bool = False,
+                 compile: bool = False) -> None:
         why = paged_supported(model)
         if why is not None:
             raise ValueError(f"paged decoding is not supported for this model: {why}")
@@ -242,7 +343,9 @@ class PagedDecoder:
         if cuda_graph and self.cache.device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs a model on CUDA, got {self.cache.device}")
         self.cuda_graph = bool(cuda_graph)
+        self.compile = bool(compile)
         self.graph_disabled_reason: str | None = None
+        self.compile_disabled_reason: str | None = None
         self._graphs: dict[int, _GraphStep] = {}
         self.in_use = False
 
@@ -295,11 +398,24 @@ class PagedDecoder:
         return p
 
     def _forward(self, new: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
-                 seq_lens: torch.Tensor, plan) -> torch.Tensor:
+                 seq_lens: torch.Tensor, plan, compiled: bool = False) -> torch.Tensor:
         """The model's forward over one `PagedStep` from device metadata only: new [B, nq] token
         ids, positions [B, nq], slots int64 [B * nq], page_table int32 [B, W], seq_lens int32 [B]
         -> the last position's logits [B, V].  No host sync and no Python value that depends on
-        the lengths (shapes only), so it can be captured (the ops are the same either way)."""
+        the lengths (shapes only), so it can be captured (the ops are the same either way).
+        compiled: through `compiled_step_forward` (unless its compilation failed before; errors
+        of the step itself propagate as in the uncompiled forward)."""
+        if compiled and self.compile_disabled_reason is None:
+            _STEP_CONTEXT.append((self.cache, plan, self.backend))
+            try:
+                return compiled_step_forward()(self.model, new, positions, slots, page_table, seq_lens)
+            except torch._dynamo.exc.TorchDynamoException as e:  # dynamo / inductor failed: run uncompiled
+                self.compile_disabled_reason = f"the compiled step failed{_where(e)} ({type(e).__name__}: " \
+                                               f"{str(e).strip()[:300]})"
+                warnings.warn(f"msakit.generate: compile=True disabled, decoding uncompiled: "
+                              f"{self.compile_disabled_reason}", RuntimeWarning, stacklevel=3)
+            finally:
+                _STEP_CONTEXT.pop()
         step = PagedStep(self.cache, positions, slots, page_table, seq_lens, plan, self.backend)
         return self.model(new, cache=step, logits_to_keep=1).logits[:, -1]
 
@@ -324,6 +440,10 @@ class PagedDecoder:
             out = self._graph_step(new)
             if out is not None:
                 return out
+        elif self.compile:  # the compiled step from the static buffers, no capture
+            g = self.static_buffers(nq)
+            if self.stage(g, new):
+                return self.static_step(g)
         starts = [self.cache.length(sid) for sid in self.seq_ids]
         slots = self.cache.append_slots(self.seq_ids, nq)
         return self._eager_forward(new, starts, slots)
@@ -388,8 +508,9 @@ class PagedDecoder:
         return True
 
     def static_step(self, g: _GraphStep) -> torch.Tensor:
-        """The whole decode step from g's buffers (what the CUDA graph captures) -> logits [B, V]."""
-        return self._forward(g.ids, g.positions, g.slots, g.page_table, g.seq_lens, g.plan)
+        """The whole decode step from g's buffers (what the CUDA graph captures) -> logits [B, V];
+        compiled with compile=True."""
+        return self._forward(g.ids, g.positions, g.slots, g.page_table, g.seq_lens, g.plan, compiled=self.compile)
 
     def _disable_graph(self, reason: str) -> None:
         self.graph_disabled_reason = reason
@@ -413,7 +534,12 @@ class PagedDecoder:
 
     def _capture(self, g: _GraphStep, new: torch.Tensor) -> torch.Tensor:
         """Warm-up (the real step, eagerly on a side stream, any host sync an error), capture,
-        replay.  On failure the step's logits come from the warm-up or the eager forward."""
+        replay.  On failure the step's logits come from the warm-up or the eager forward.  With
+        compile=True the compiled step runs once first, outside the warm-up's sync check:
+        compilation and inductor's autotuning synchronize (the step is idempotent: it writes the
+        same keys into the same slots)."""
+        if self.compile:
+            self.static_step(g)
         try:
             out, graph, logits = capture_graph(lambda: self.static_step(g), self.cache.device)
         except GraphCaptureError as e:
@@ -499,20 +625,22 @@ _DECODERS = StatePool()
 
 
 def decoder_for(model: Any, batch: int, max_len: int, *, kv_dtype: torch.dtype | None = None, backend: str = "auto",
-                cuda_graph: bool = False) -> PagedDecoder:
+                cuda_graph: bool = False, compile: bool = False) -> PagedDecoder:
     """A `PagedDecoder` for `batch` rows of up to `max_len` tokens (`round_length`), reset and
     reused from earlier calls with the same (batch, rounded max_len, kv_dtype, backend,
-    cuda_graph) while `model_state_key(model)` is unchanged, so its pools and CUDA graphs survive
+    cuda_graph, compile) while `model_state_key(model)` is unchanged, so its pools and CUDA graphs survive
     across `generate` calls.  Use it as a context manager (`with decoder_for(...) as dec:`):
     leaving it returns the decoder to the pool.  `clear_decoders` frees them."""
     L = round_length(max_len)
 
     def make() -> PagedDecoder:
-        dec = PagedDecoder(model, batch, L, kv_dtype=kv_dtype, backend=backend, cuda_graph=cuda_graph)
+        dec = PagedDecoder(model, batch, L, kv_dtype=kv_dtype, backend=backend, cuda_graph=cuda_graph,
+                           compile=compile)
         dec._pooled = True
         return dec
 
-    dec = _DECODERS.get(model, model_state_key(model), (int(batch), L, kv_dtype, backend, bool(cuda_graph)), make)
+    key = (int(batch), L, kv_dtype, backend, bool(cuda_graph), bool(compile))
+    dec = _DECODERS.get(model, model_state_key(model), key, make)
     dec.model = model
     return dec
 
@@ -607,6 +735,7 @@ def generate(
     decode_backend: str = "auto",
     kv_dtype: torch.dtype | None = None,
     cuda_graph: bool | None = None,
+    compile: bool = False,
 ):
     """Cached generation for models whose forward takes a cache (M3ForCausalLM) -> tokens [B, T + n]
     (and the per-step logits [B, n, V] with return_logits).  Stops early once every row has
@@ -618,16 +747,26 @@ def generate(
     kv_dtype the paged pools' dtype (default: the model's dtype; fp8 e4m3 is accepted).
     cuda_graph: None (auto: on for the paged path on CUDA), True (the paged path on CUDA only) or
     False (eager): the paged decode step is captured once as a CUDA graph and replayed (see the
-    module docstring); a model whose step cannot be captured decodes eagerly with a warning."""
+    module docstring); a model whose step cannot be captured decodes eagerly with a warning.
+    compile: the paged decode step runs under torch.compile (inductor fuses its elementwise work;
+    the CUDA graph, if any, captures the compiled step; see `PagedDecoder`); needs the paged
+    path, which cache="auto" then picks on any device where `paged_supported(model)`."""
     if cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     if cuda_graph not in (None, True, False):
         raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
+    if compile not in (True, False):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    if compile and cache == "contiguous":
+        raise ValueError("compile=True compiles the paged decode step: use cache='paged' or 'auto'")
     if cache == "auto":
         from msakit.ops.dispatch import triton_available
 
-        paged = input_ids.device.type == "cuda" and triton_available() and paged_supported(model) is None
+        on_gpu = input_ids.device.type == "cuda" and triton_available()
+        paged = (compile or on_gpu) and paged_supported(model) is None
         cache = "paged" if paged else "contiguous"
+        if compile and not paged:
+            raise ValueError(f"compile=True needs the paged path, not supported for this model: {paged_supported(model)}")
     if cache == "paged":
         why = paged_supported(model)
         if why is not None:
@@ -641,7 +780,7 @@ def generate(
     max_len = input_ids.shape[1] + max(max_new_tokens, 1)
     if cache == "paged":
         with decoder_for(model, input_ids.shape[0], max_len, kv_dtype=kv_dtype, backend=decode_backend,
-                         cuda_graph=graph) as dec:
+                         cuda_graph=graph, compile=compile) as dec:
 
             def make_paged_step() -> Callable[[torch.Tensor | None], torch.Tensor]:
                 return lambda new: dec.prefill(input_ids) if new is None else dec.step(new)

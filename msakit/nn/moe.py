@@ -75,6 +75,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: tor
     """
     if offs is None:
         offs = counts.cumsum(0).to(torch.int32)
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # torch._grouped_mm's fake (meta) kernel takes bf16 only: under torch.compile other dtypes
+        # multiply each row by its group's weight, gathered (no host sync, any M)
+        grp = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), counts.long(),
+                                      output_size=x.shape[0])
+        return torch.bmm(x.unsqueeze(1), w.index_select(0, grp).to(x.dtype)).squeeze(1)
     key = (x.device.type, x.dtype)
     if key not in grouped_mm_failed and grouped_mm_ok(x, w):
         try:
