@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -203,3 +204,84 @@ def print_rows(rows: list[dict], columns: list[tuple[str, str, str]], lead: tupl
             print(" ".join(str(r.get(k, "")) for k in lead) + f"  error: {str(r['error'])[:80]}")
             continue
         print(" ".join(f"{'-' if r.get(k) is None else format(r[k], f):>{max(len(h), 7)}}" for h, k, f in columns))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels by kind (torch.profiler): generate.py's decode step, train_speed.py's training step
+# ---------------------------------------------------------------------------------------------
+
+# (kind, regex on the kernel name), first match wins
+KERNEL_KINDS: tuple[tuple[str, str], ...] = (
+    ("msa_decode", r"_score2?_kernel|_merge[12]_kernel|_attn_kernel|_combine_kernel|msa_decode|decode"),
+    ("sampling", r"argmax|multinomial|exponential|distribution|philox|sampl|cumsum.*prob|gumbel"),
+    ("moe_routing", r"sort|radix|topk|top_k|scatter|gather|index|cumsum|scan|histc|bincount|route"),
+    ("grouped_gemm", r"grouped|group_gemm|_grouped_mm"),
+    ("gemm", r"gemm|nvjet|cublas|xmma|cutlass|matmul|wgmma|splitk"),
+    ("norm", r"norm|rms"),
+    ("rope", r"rope|rotary"),
+    ("softmax", r"softmax"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise|triton_poi|silu|swiglu|mul_|add_"),
+    ("reduce", r"reduce|triton_red|sum|amax|max"),
+    ("copy", r"copy|memcpy|memset|cat|fill|Memcpy|Memset"),
+)
+
+
+def kernel_kind(name: str, kinds: tuple[tuple[str, str], ...] = KERNEL_KINDS, ops: tuple[str, ...] = (),
+                op_kinds: tuple[tuple[str, str], ...] = ()) -> str:
+    """The kind of a CUDA kernel: the first of `op_kinds` whose regex matches one of `ops` (the
+    CPU ops around its launch), else the first of `kinds` matching its name; "other" when none."""
+    for kind, pat in op_kinds:
+        if any(re.search(pat, o, flags=re.IGNORECASE) for o in ops):
+            return kind
+    for kind, pat in kinds:
+        if re.search(pat, name, flags=re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def kernel_table(events: list[tuple], kinds: tuple[tuple[str, str], ...] = KERNEL_KINDS,
+                 op_kinds: tuple[tuple[str, str], ...] = ()) -> dict[str, dict]:
+    """{kind: {"count", "us"}} over (kernel name, device microseconds[, enclosing CPU ops]) events."""
+    out: dict[str, dict] = {}
+    for ev in events:
+        d = out.setdefault(kernel_kind(ev[0], kinds, ev[2] if len(ev) > 2 else (), op_kinds), {"count": 0, "us": 0.0})
+        d["count"] += 1
+        d["us"] += ev[1]
+    return out
+
+
+def profiled_kernels(fn, with_ops: bool = False) -> tuple[list[tuple], list[tuple[str, float]]]:
+    """(kernel name, device us) of every kernel / memcpy / memset that fn() ran, and the top
+    kernel names by total time.  `with_ops`: (kernel name, device us, the names of the CPU ops
+    around its launch, innermost first), from the kernels the profiler links to each CPU op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev: list[tuple] = []
+    events = list(prof.events())
+    device = [e for e in events if "CUDA" in str(getattr(e, "device_type", ""))]
+    if with_ops:
+        linked: set[int] = set()
+        on_device = {id(e) for e in device}
+        for e in events:
+            if id(e) in on_device or not getattr(e, "kernels", None):
+                continue
+            linked.add(e.id)
+            chain, p = [], e
+            while p is not None:
+                chain.append(p.name)
+                p = p.cpu_parent
+            ev += [(k.name, float(k.duration), tuple(chain)) for k in e.kernels]
+        # kernels the profiler linked to no CPU op: by name alone
+        ev += [(e.name, float(e.time_range.elapsed_us()), ()) for e in device
+               if getattr(e, "linked_correlation_id", 0) not in linked]
+    else:
+        ev = [(e.name, float(e.time_range.elapsed_us())) for e in device]
+    tot: dict[str, float] = {}
+    for x in ev:
+        tot[x[0]] = tot.get(x[0], 0.0) + x[1]
+    top = sorted(tot.items(), key=lambda x: -x[1])[:25]
+    return ev, top

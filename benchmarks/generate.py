@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -40,41 +39,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import add_run_args, env_info, gpu_tag, print_rows, save_json, wall_s  # noqa: E402
-
-# (kind, regex on the kernel name), first match wins
-KERNEL_KINDS: tuple[tuple[str, str], ...] = (
-    ("msa_decode", r"_score2?_kernel|_merge[12]_kernel|_attn_kernel|_combine_kernel|msa_decode|decode"),
-    ("sampling", r"argmax|multinomial|exponential|distribution|philox|sampl|cumsum.*prob|gumbel"),
-    ("moe_routing", r"sort|radix|topk|top_k|scatter|gather|index|cumsum|scan|histc|bincount|route"),
-    ("grouped_gemm", r"grouped|group_gemm|_grouped_mm"),
-    ("gemm", r"gemm|nvjet|cublas|xmma|cutlass|matmul|wgmma|splitk"),
-    ("norm", r"norm|rms"),
-    ("rope", r"rope|rotary"),
-    ("softmax", r"softmax"),
-    ("elementwise", r"elementwise|vectorized|unrolled|pointwise|triton_poi|silu|swiglu|mul_|add_"),
-    ("reduce", r"reduce|triton_red|sum|amax|max"),
-    ("copy", r"copy|memcpy|memset|cat|fill|Memcpy|Memset"),
+from benchmarks.common import (  # noqa: E402  (KERNEL_KINDS, kernel_kind: re-exported)
+    KERNEL_KINDS, add_run_args, env_info, gpu_tag, kernel_kind, kernel_table, print_rows, profiled_kernels, save_json,
+    wall_s,
 )
-
-
-def kernel_kind(name: str) -> str:
-    """The kind of a CUDA kernel (KERNEL_KINDS), "other" when none matches."""
-    for kind, pat in KERNEL_KINDS:
-        if re.search(pat, name, flags=re.IGNORECASE):
-            return kind
-    return "other"
-
-
-def kernel_table(events: list[tuple[str, float]]) -> dict[str, dict]:
-    """{kind: {"count", "us"}} over (kernel name, device microseconds) pairs."""
-    out: dict[str, dict] = {}
-    for name, us in events:
-        d = out.setdefault(kernel_kind(name), {"count": 0, "us": 0.0})
-        d["count"] += 1
-        d["us"] += us
-    return out
-
 
 def per_step(a: dict[str, dict], b: dict[str, dict], steps: int) -> dict[str, dict]:
     """(b - a) / steps per kind: the kernels of one step from two calls `steps` tokens apart."""
@@ -84,26 +52,6 @@ def per_step(a: dict[str, dict], b: dict[str, dict], steps: int) -> dict[str, di
         us = (b.get(kind, {}).get("us", 0.0) - a.get(kind, {}).get("us", 0.0)) / steps
         out[kind] = {"count": round(c, 3), "us": round(us, 3)}
     return out
-
-
-def profiled_kernels(fn) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    """(kernel name, device us) of every kernel / memcpy / memset that fn() ran, and the top
-    kernel names by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    ev = []
-    for e in prof.events():
-        if "CUDA" in str(getattr(e, "device_type", "")):
-            ev.append((e.name, float(e.time_range.elapsed_us())))
-    tot: dict[str, float] = {}
-    for n, us in ev:
-        tot[n] = tot.get(n, 0.0) + us
-    top = sorted(tot.items(), key=lambda x: -x[1])[:25]
-    return ev, top
 
 
 def build(context: int, new: int, batch: int, seed: int = 0):

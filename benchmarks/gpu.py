@@ -86,6 +86,14 @@ CLAIMS: dict[str, Claim] = {
     "spec": Claim("spec.py", ("--recipe", "run17", "--speed-batches", "1"), budget_s=330, quick_budget_s=150,
                   expect_s=240, quick_expect_s=80),
     "train_speed": Claim("train_speed.py", budget_s=180, quick_budget_s=90, expect_s=90),
+    # the kernels of one training step by kind (small preset, 8K / 32K, MSA and dense cuDNN), eager
+    "train_profile": Claim("train_speed.py", ("--profile",), ("--profile", "--quick"), budget_s=150,
+                           quick_budget_s=90, expect_s=100, quick_expect_s=45, tag_suffix="_profile",
+                           note="writes train_speed_<gpu><tag>_profile.json"),
+    # eager vs torch.compile'd decoder layers (msakit train --compile): tok/s, MFU, kernels by kind
+    "train_compile": Claim("train_speed.py", ("--compile", "--profile"), ("--compile", "--quick"), budget_s=480,
+                           quick_budget_s=240, expect_s=300, quick_expect_s=120, tag_suffix="_compile",
+                           note="writes train_speed_<gpu><tag>_compile.json"),
     # graph == eager, paged == contiguous, speculative == plain, graphs reused across calls
     "forward_check": Claim("forward_check.py", (), (), budget_s=180, quick_budget_s=180, expect_s=60, tag=False,
                            note="writes forward_check_<gpu>.json (no tag)"),
@@ -107,6 +115,7 @@ CLAIMS: dict[str, Claim] = {
 Path_ = tuple[Any, ...]
 R12P, R12D, R17 = "prefill_NVIDIA_H200_run12.json", "decode_NVIDIA_H200_run12.json", "spec_NVIDIA_H200_run17.json"
 R11G, R11C = "decode_NVIDIA_H200_run11gen.json", "generate_graph_check_NVIDIA_H200_run11.json"
+R19T = "train_speed_NVIDIA_H200_run19.json"
 ROW_DEFAULTS = {"kind": "random"}
 
 
@@ -159,6 +168,13 @@ BASELINES: list[tuple] = [
     ("generate", "ctx 128K tok/s (steady)", None, None, ("rows", {"context": 131072}, "tok_s"), True),
     *[("generate_compile", f"ctx {_ctx(T)} {v} ms/token", None, None, ("rows", {"context": T}, v, "ms_per_token"),
        False) for T in (4096, 32768, 131072) for v in ("eager", "compiled")],
+    *[("train_speed", f"ctx {_ctx(T)} {m} tok/s", R19T, ("rows", {"context": T, "mode": m}, "tok_s"), None, True)
+      for T in (8192, 32768) for m in ("dense", "sparse")],
+    *[x for T in (8192, 32768) for m in ("dense", "sparse") for x in (
+        ("train_compile", f"ctx {_ctx(T)} {m} compiled tok/s", None, None,
+         ("rows", {"context": T, "mode": m, "compiled": True}, "tok_s"), True),
+        ("train_compile", f"ctx {_ctx(T)} {m} compiled / eager", None, None,
+         ("rows", {"context": T, "mode": m, "compiled": True}, "speedup_vs_eager"), True))],
     *[x for T in (0.0, 1.0) for x in (
         ("spec", f"B1 T{T:g} plain tok/s", R17, ("speed", {"batch": 1, "temperature": T}, "plain_tok_s"), None, True),
         ("spec", f"B1 T{T:g} spec tok/s", R17, ("speed", {"batch": 1, "temperature": T}, "spec_tok_s"), None, True),

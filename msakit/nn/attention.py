@@ -236,8 +236,9 @@ class MSAAttention(GQAProjections):
             raise ValueError("mode 'sparse' needs the index branch; this layer was built with index_branch=False")
         self._mode = value
 
-    def project(self, hidden: torch.Tensor, positions: torch.Tensor | None = None):
-        """hidden [B,T,H] -> q [B,T,Hq,D], k, v [B,T,G,D], q_idx [B,T,G,Di], k_idx [B,T,Di] (normed, RoPE'd)."""
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor | None = None, *, with_index: bool = True):
+        """hidden [B,T,H] -> q [B,T,Hq,D], k, v [B,T,G,D], q_idx [B,T,G,Di], k_idx [B,T,Di] (normed, RoPE'd);
+        q_idx and k_idx are None without an index branch or with with_index=False."""
         if hidden.dim() != 3 or hidden.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"hidden must have shape [B, T, {self.cfg.hidden_size}], got {tuple(hidden.shape)}")
         c = self.cfg
@@ -251,7 +252,7 @@ class MSAAttention(GQAProjections):
         k = self.k_norm(self.k_proj(hidden).view(B, T, c.num_kv_heads, c.head_dim))
         v = self.v_proj(hidden).view(B, T, c.num_kv_heads, c.head_dim)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-        if not self.index_branch:
+        if not (self.index_branch and with_index):
             return q, k, v, None, None
         h_idx = hidden.detach()  # stop-gradient: the KL never reaches the backbone through the indexer input
         q_idx = self.index_q_norm(self.index_q_proj(h_idx).view(B, T, c.num_kv_heads, c.index_dim))
@@ -296,7 +297,10 @@ class MSAAttention(GQAProjections):
         (dense or MSA by `mode`); no KL, no inputs."""
         c = self.cfg
         B, T = hidden.shape[:2]
-        q, k, v, q_idx, k_idx = self.project(hidden, positions)
+        # dense attention without the KL or the inputs reads no index keys: not computed (a cache
+        # keeps them for later sparse steps, so a cached forward always computes them)
+        with_index = cache is not None or self.mode == "sparse" or compute_kl or want_inputs
+        q, k, v, q_idx, k_idx = self.project(hidden, positions, with_index=with_index)
         kl = inputs = None
         if cache is None:
             attend = msa_attend if self.context is None else self.context.attend

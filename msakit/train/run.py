@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -166,6 +167,8 @@ def add_optim_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     g.add_argument("--seed", type=SEED, default=0, help="seed of the initialisation and the data order")
     g.add_argument("--doc-attention", action="store_true",
                    help="keep attention inside documents (packed rows through the cu_seqlens path)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (the first steps compile; evaluation stays eager)")
     add_device_arg(g)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -228,6 +231,7 @@ def optim_config(args: argparse.Namespace, warn: Callable[[str], None] | None = 
         kl_coef=args.kl_coef, kl_every=args.kl_every, dense_warmup_steps=warm, routing_bias_rate=args.routing_bias_rate,
         log_every=args.log_every, eval_every=args.eval_every, eval_rows=args.eval_rows, save_every=args.save_every,
         keep_checkpoints=args.keep, seed=args.seed, doc_attention=args.doc_attention,
+        compile=bool(getattr(args, "compile", False)),
         train=train, index_lr=getattr(args, "index_lr", None), kl_tokens=getattr(args, "kl_tokens", "selected"),
     )
 
@@ -351,7 +355,7 @@ def run_folder_of(ckpt: Path) -> Path:
 
 # what may change when a run is resumed: where and how it runs (not what it trains)
 RESUME_OPTIONS = frozenset({"out", "resume", "steps", "device", "no_progress", "cache_dir",
-                            "cp", "fsdp", "activation_checkpointing", "max_tokens", "time_budget"})
+                            "cp", "fsdp", "activation_checkpointing", "max_tokens", "time_budget", "compile"})
 
 
 def check_resume_options(args: argparse.Namespace, allowed: frozenset = RESUME_OPTIONS) -> None:
@@ -627,6 +631,8 @@ def resume_run(args: argparse.Namespace, device) -> int:
     if point is None:
         return 0
     ck, state, cfg = point
+    if getattr(args, "compile", False):  # how the run executes, not what it trains
+        cfg = dataclasses.replace(cfg, compile=True)
     meta = state.get("meta", {})
     opts = meta.get("data")
     if not opts:

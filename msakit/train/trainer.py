@@ -26,6 +26,10 @@ logged loss is the global one, equal to one process's.  Rank 0 alone logs, shows
 and writes plots; checkpoints are sharded (DCP, ``<run>/sharded/step-N``) and resume on any number
 of ranks.  See docs/distributed.md.
 
+``compile=True`` (``--compile``): every decoder layer runs under torch.compile (`compile_layers`:
+torchtitan's per-block compile, in place, so names and checkpoints are unchanged); the loss, the
+optimizer and evaluation stay eager.  Not with ``doc_attention`` or context parallelism.
+
 Ctrl-C: the loop stops at once; a checkpoint being written is discarded (its temporary folder is
 removed) and ``checkpoints/latest`` keeps naming the last complete one.
 """
@@ -39,7 +43,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -81,8 +85,14 @@ class TrainConfig:
     train: str = "all"  # "all": every parameter, LM + kl_coef * KL; "index": the index branches only, by the KL
     index_lr: float | None = None  # peak learning rate of the index branches (None: lr)
     kl_tokens: str = "selected"  # the KL over the indexer's selected tokens or over "all" causal tokens
+    compile: bool = False  # torch.compile each decoder layer (`compile_layers`); evaluation stays eager
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        if self.compile and self.doc_attention:
+            raise ValueError("compile does not take doc_attention: each packed batch's document boundaries are "
+                             "Python values that would compile the layers anew")
         if self.train not in TRAIN_WHAT:
             raise ValueError(f"train must be one of {TRAIN_WHAT}, got {self.train!r}")
         if self.kl_tokens not in KL_TOKENS:
@@ -170,6 +180,34 @@ def make_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], *, lr: fl
             names += [n for n, _ in sel]
     opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=device.type == "cuda")
     return opt, names
+
+
+def compile_layers(model: torch.nn.Module, *, fullgraph: bool | None = None, backend: str = "inductor",
+                   mode: str | None = None) -> int:
+    """torch.compile every `M3DecoderLayer` of `model` in place (torchtitan's per-block compile):
+    `nn.Module.compile`, so parameter names, checkpoints and hooks stay as they are; returns the
+    number of layers compiled.
+
+    Layers of one structure share their compiled code (one graph per layer kind -- dense MLP or
+    MoE, with or without an index branch -- per attention mode and KL setting); shapes are static
+    (`dynamic=False`: training batches have one shape).  `fullgraph` None: one graph per layer
+    (fullgraph=True) when msakit's ops there are custom ops -- on CUDA with Triton,
+    `sparse_attention`, `index_topk` and `index_kl_loss` are `torch.library` custom ops with fake
+    kernels and registered autograd -- else False: an MSA layer on CPU runs the ops' chunked
+    PyTorch paths, whose data-dependent shapes break the graph there (the rest compiles)."""
+    from msakit.models.modeling import M3DecoderLayer
+    from msakit.ops.dispatch import triton_available
+
+    layers = [m for m in model.modules() if isinstance(m, M3DecoderLayer)]
+    if not layers:
+        raise ValueError(f"compile: {type(model).__name__} has no M3DecoderLayer to compile (an M3 model is needed)")
+    if fullgraph is None:
+        msa = any(layer.self_attn.index_branch for layer in layers)
+        dev = next(model.parameters()).device
+        fullgraph = not msa or (dev.type == "cuda" and triton_available())
+    for layer in layers:
+        layer.compile(fullgraph=bool(fullgraph), dynamic=False, backend=backend, mode=mode)
+    return len(layers)
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -267,6 +305,10 @@ class Trainer:
         self.fsdp = bool(fsdp)
         if activation_checkpointing and not fsdp:
             model.gradient_checkpointing_enable(True)
+        if cfg.compile:  # after activation checkpointing, before FSDP sharding (torchtitan's order)
+            if parallel is not None and parallel.cp > 1:
+                raise ValueError("--compile does not take context parallelism (--cp) yet")
+            compile_layers(self.model)
         if fsdp:
             if parallel is None or parallel.fsdp_mesh is None:
                 raise ValueError("--fsdp needs a process group: launch with torchrun")
@@ -411,9 +453,12 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, mode: str | None = None, batches: list[Batch] | None = None, recall_rows: int | None = None,
                  compute_kl: bool = True) -> dict:
-        return evaluate(self.model, self._val if batches is None else batches, self.device, mode=mode,
-                        doc_attention=self.cfg.doc_attention, compute_kl=compute_kl,
-                        recall_rows=self.cfg.recall_rows if recall_rows is None else recall_rows)
+        """Validation (`msakit.train.metrics.evaluate`); eager under `compile` (an evaluation's
+        no-grad, eval-mode calls would otherwise compile every layer kind again)."""
+        with torch.compiler.set_stance("force_eager") if self.cfg.compile else nullcontext():
+            return evaluate(self.model, self._val if batches is None else batches, self.device, mode=mode,
+                            doc_attention=self.cfg.doc_attention, compute_kl=compute_kl,
+                            recall_rows=self.cfg.recall_rows if recall_rows is None else recall_rows)
 
     # ------------------------------------------------------------------ logging
     def _log(self, record: dict) -> None:

@@ -268,3 +268,76 @@ def test_convert_eval_run_streams_logs_and_stops_a_hang(tmp_path, capsys):
     t0 = time.time()
     r = convert_eval.run([sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"], 1.0)
     assert r["rc"] != 0 and "start" in r["tail"] and time.time() - t0 < 30
+
+
+@pytest.mark.parametrize("event,kind", [
+    (("_sa_fwd_kernel", 1.0, ("msakit::sparse_attention_fwd",)), "sparse_attn_fwd"),
+    (("void at::native::vectorized_elementwise_kernel<4>", 1.0, ("aten::mul", "msakit::sparse_attention_bwd")),
+     "sparse_attn_bwd"),
+    (("_wl_entry_kernel", 1.0, ("msakit::index_kl_fwd", "Torch-Compiled Region: 0/0")), "index_kl"),
+    (("_index_topk_kernel", 1.0, ()), "index_topk"),
+    (("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 1.0, ("aten::_scaled_dot_product_cudnn_attention",)),
+     "sdpa"),
+    (("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 1.0, ("Optimizer.step#AdamW.step",)),
+     "optimizer"),
+    (("triton_poi_fused__to_copy_add_mul_rsqrt_0", 1.0, ("Torch-Compiled Region: 1/0",)), "elementwise"),
+    (("triton_per_fused_add_mean_pow_1", 1.0, ()), "reduce"),
+    (("nvjet_tst_128x64_64x6_1x1_v_bz_coopA_TNT", 1.0, ("aten::mm",)), "gemm"),
+    (("Memcpy DtoD (Device -> Device)", 1.0, ("aten::copy_",)), "copy"),
+])
+def test_train_kernel_kinds(event, kind):
+    from benchmarks.common import kernel_table
+
+    t = kernel_table([event, event], train_speed.TRAIN_KERNEL_KINDS, train_speed.TRAIN_OP_KINDS)
+    assert t == {kind: {"count": 2, "us": 2.0}}
+
+
+def test_train_speed_compiled_row_on_cpu(monkeypatch):
+    """--compile's row on CPU: the layers compiled (dynamo + AOTAutograd here: inductor's CPU
+    compile is slow), the first step's seconds and the graph counts recorded."""
+    import functools
+
+    from msakit.train import trainer
+
+    monkeypatch.setattr(train_speed, "wall_s", _cpu_wall_s)
+    monkeypatch.setattr(trainer, "compile_layers", functools.partial(trainer.compile_layers, backend="aot_eager"))
+    r = train_speed.measure(64, 64, "dense", steps=1, warmup=0, dense_backend="default", peak=1.0, profile=False,
+                            preset="tiny", device="cpu", compile=True)
+    assert r["compiled"] and r["layers"] == "compiled" and r["first_step_s"] > 0 and r["graphs"] >= 2, r
+    assert r["graph_breaks"] == 0 and r["step_ms"] > 0
+
+
+def test_profiled_kernels_walks_the_ops_around_each_launch(monkeypatch):
+    """with_ops: each kernel the profiler linked to a CPU op gets that op and its ancestors; a
+    device event linked to none comes by name alone (synthetic profiler events)."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.common import profiled_kernels
+
+    step = NS(name="Optimizer.step#AdamW.step", cpu_parent=None, id=1, device_type="DeviceType.CPU", kernels=[])
+    op = NS(name="aten::_fused_adamw_", cpu_parent=step, id=2, device_type="DeviceType.CPU",
+            kernels=[NS(name="fused_adam_kernel", duration=3.0)])
+    dev = lambda name, corr: NS(name=name, device_type="DeviceType.CUDA", linked_correlation_id=corr,  # noqa: E731
+                                time_range=NS(elapsed_us=lambda: 2.0))
+    events = [step, op, dev("fused_adam_kernel", 2), dev("lonely_kernel", 9)]
+
+    class FakeProfile:
+        def __init__(self, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def events(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    ev, top = profiled_kernels(lambda: None, with_ops=True)
+    assert ev == [("fused_adam_kernel", 3.0, ("aten::_fused_adamw_", "Optimizer.step#AdamW.step")),
+                  ("lonely_kernel", 2.0, ())]
+    ev, _ = profiled_kernels(lambda: None)
+    assert ev == [("fused_adam_kernel", 2.0), ("lonely_kernel", 2.0)]
