@@ -31,6 +31,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, metavar="DIR",
                    help="a DSpark drafter (train-drafter run, checkpoint or drafter folder): speculative decoding")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: beside the checkpoint)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the decode step under torch.compile (msakit models on the paged cache; not with --drafter)")
     add_device_arg(p)
     p.set_defaults(func=_run)
     return p

@@ -794,6 +794,7 @@ def save_model_folder(model, tokenizer, folder: Path) -> Path:
 
 def run_convert(args: argparse.Namespace) -> int:
     from msakit.distributed.args import rank0_first, trainer_kwargs
+    from msakit.models import M3ForCausalLM
     from msakit.models.convert import convert_dense_to_msa
     from msakit.train.tokenizer import Tokenizer
     from msakit.train.trainer import Trainer
@@ -828,6 +829,9 @@ def run_convert(args: argparse.Namespace) -> int:
                                  index_init=getattr(args, "index_init", "random"), seed=args.seed)
     check_context(model.config, opts["context"])
     check_vocab(model, tok)
+    if getattr(args, "compile", False) and not isinstance(model, M3ForCausalLM):
+        raise ValueError("--compile compiles msakit's decoder layers; a converted HF model has none "
+                         "(train it without --compile)")
     with new_run_dir(out) if main_rank else contextlib.nullcontext():
         with rank0_first(parallel):  # rank 0 fills the data cache first
             pd = prepare(opts, tokenizer=tok, cache_dir=args.cache_dir)
@@ -931,6 +935,9 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = Path(args.prompt_file).read_text(encoding="utf-8", errors="replace")
     if prompt is None:
         prompt = ""
+    compile_step = bool(getattr(args, "compile", False))
+    if compile_step and args.drafter:
+        raise ValueError("--compile compiles plain decoding's step; it does not take --drafter")
     device = resolve_device(args.device)
     folder = model_folder(Path(args.checkpoint))
     kind = folder_kind(folder)
@@ -944,6 +951,14 @@ def run_generate(args: argparse.Namespace) -> int:
     drafter = load_drafter(Path(args.drafter), device) if args.drafter else None
     model = load_model_folder(folder, device=device)
     check_vocab(model, tok)
+    if compile_step:
+        from msakit.generate import paged_supported
+        from msakit.models import M3ForCausalLM
+
+        why = "it is a converted HF model (contiguous cache)" if not isinstance(model, M3ForCausalLM) \
+            else paged_supported(model)
+        if why is not None:
+            raise ValueError(f"--compile needs an msakit model on the paged cache: {why}")
     if drafter is not None:
         drafter.config.check_target(model.config)
     model.set_attention_mode(args.mode)
@@ -960,7 +975,8 @@ def run_generate(args: argparse.Namespace) -> int:
                   eos_token_id=tok.eos_id)
     with torch.no_grad(), autocast_for(device):
         if drafter is None:
-            model.generate(x, args.max_new_tokens, streamer=streamer, **sample)
+            model.generate(x, args.max_new_tokens, streamer=streamer, **sample,
+                           **({"compile": True} if compile_step else {}))
         else:
             from msakit.speculative import speculative_generate
 

@@ -144,3 +144,11 @@ def test_combinations_that_cannot_apply_exit_2_one_line(env, dense, tmp_path, ca
                                        *_opts(env, conv)]))
     assert match in err
     assert not conv.exists()
+
+
+def test_compile_of_a_converted_hf_model_is_refused_before_any_data_or_folder(env, qwen, tmp_path, capsys):
+    conv = tmp_path / "conv"
+    rc = main(["convert", str(qwen), "--steps", "2", "--block-size", "8", "--topk", "2", "--compile", *_opts(env, conv)])
+    err = capsys.readouterr().err.strip().splitlines()  # transformers' loading bar may come first
+    assert rc == 2 and err[-1].startswith("msakit convert: error:") and "--compile" in err[-1]
+    assert not conv.exists()

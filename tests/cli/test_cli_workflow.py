@@ -30,6 +30,17 @@ def test_generate_with_drafter_is_lossless_and_prints_accepted_length(run_dir, d
     assert 1.0 <= al <= 8.0  # at most the drafter's block (7) + the target's extra token
 
 
+def test_generate_compile_refuses_what_it_cannot_compile(run_dir, drafter_run, capsys):
+    """--compile (the compiled paged step: tests/models/test_generate_compile.py) says in one line
+    why it cannot run: a drafter, or a model the paged cache does not take (this run's block of 8)."""
+    argv = ["generate", str(run_dir), "--prompt", "def f(x):", "--max-new-tokens", "6", "--temperature", "0",
+            "--device", "cpu", "--compile"]
+    err = one_line_error(capsys, main([*argv, "--drafter", str(drafter_run)]))
+    assert "--compile" in err and "--drafter" in err
+    err = one_line_error(capsys, main(argv))
+    assert "--compile needs an msakit model on the paged cache" in err and "block size 8" in err
+
+
 def test_resuming_a_finished_run_trains_nothing_and_prints_no_nan(env, run_dir, drafter_run, capsys):
     before, dbefore = tree_state(run_dir), tree_state(drafter_run)
     assert main(["train", "--resume", "--out", str(run_dir), "--cache-dir", env["cache"]]) == 0
