@@ -52,16 +52,6 @@ def log(msg: str) -> None:
     print(f"[convert_eval {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _cuda_time(fn, reps: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
 def _timed(row: dict, name: str, fn):
     """Run fn twice, synchronised; record the first call (compilation included) and the second."""
     out = None
@@ -142,7 +132,13 @@ def run(cmd: list[str], timeout: float, log_file: Path | None = None) -> dict:
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     fh = log_file.open("a") if log_file else None
-    timer = threading.Timer(timeout, lambda: (p.send_signal(signal.SIGABRT), time.sleep(5), p.kill()))
+
+    def stop() -> None:  # SIGABRT: the child's faulthandler prints its stack; then kill
+        p.send_signal(signal.SIGABRT)
+        time.sleep(5)
+        p.kill()
+
+    timer = threading.Timer(timeout, stop)
     timer.start()
     try:
         for line in p.stdout:

@@ -64,6 +64,7 @@ import torch
 from msakit.sampling import keyword_options, sample_next
 
 from msakit.cache import KVCache, PagedKVCache, PagedStep
+from msakit.ops.index_topk import Selection
 
 __all__ = ["KVCache", "sample_next", "generate", "generate_uncached", "paged_supported", "PagedDecoder",
            "capture_graph", "GraphCaptureError", "graph_warning", "decoder_for", "clear_decoders", "StatePool", "model_state_key",
@@ -223,8 +224,8 @@ _STEP_CONTEXT: list[tuple[PagedKVCache, Any, str]] = []
 @torch.library.custom_op("msakit::paged_step_attend", mutates_args=())
 def paged_step_attend(q: torch.Tensor, q_idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
                       k_idx: torch.Tensor | None, slots: torch.Tensor, page_table: torch.Tensor,
-                      seq_lens: torch.Tensor, layer: int, mode: str, topk: int, local_blocks: int,
-                      init_blocks: int) -> torch.Tensor:
+                      seq_lens: torch.Tensor, layer: int, mode: str, block_size: int, topk: int,
+                      local_blocks: int, init_blocks: int) -> torch.Tensor:
     """One layer's `PagedStep.write` + `PagedStep.attend` as one op opaque to torch.compile, over
     the cache and plan of the running compiled step (`_STEP_CONTEXT`).  q [B, nq, Hq, D], q_idx
     [B, nq, G, Di] or None, k / v [B, nq, G, D], k_idx [B, nq, Di] or None, slots int64 [B * nq],
@@ -237,21 +238,14 @@ def paged_step_attend(q: torch.Tensor, q_idx: torch.Tensor | None, k: torch.Tens
     B, nq = q.shape[:2]
     step = PagedStep(cache, slots.view(B, nq), slots, page_table, seq_lens, plan, backend)
     step.write(layer, k, v, k_idx)
-    sel = _Selection(topk, local_blocks, init_blocks)
+    sel = Selection(block_size, topk, local_blocks, init_blocks)
     return step.attend(layer, q, q_idx, sel, mode).contiguous()
 
 
 @paged_step_attend.register_fake
-def _paged_step_attend_fake(q, q_idx, k, v, k_idx, slots, page_table, seq_lens, layer, mode, topk, local_blocks,
-                            init_blocks):
+def _paged_step_attend_fake(q, q_idx, k, v, k_idx, slots, page_table, seq_lens, layer, mode, block_size, topk,
+                            local_blocks, init_blocks):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-class _Selection:
-    """The selection settings `PagedStep.attend` reads (an MSAConfig's topk / local / init blocks)."""
-
-    def __init__(self, topk: int, local_blocks: int, init_blocks: int) -> None:
-        self.topk, self.local_blocks, self.init_blocks = topk, local_blocks, init_blocks
 
 
 class _OpaqueStep(PagedStep):
@@ -270,7 +264,7 @@ class _OpaqueStep(PagedStep):
     def attend(self, layer: int, q: torch.Tensor, q_idx: torch.Tensor | None, sel, mode: str) -> torch.Tensor:
         k, v, k_idx = self._new.pop(layer)
         return paged_step_attend(q, q_idx, k, v, k_idx, self.slots, self.page_table, self.seq_lens, layer, mode,
-                                 sel.topk, sel.local_blocks, sel.init_blocks)
+                                 sel.block_size, sel.topk, sel.local_blocks, sel.init_blocks)
 
 
 def _step_forward(model: Any, new: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -763,14 +757,12 @@ def generate(
         from msakit.ops.dispatch import triton_available
 
         on_gpu = input_ids.device.type == "cuda" and triton_available()
-        paged = (compile or on_gpu) and paged_supported(model) is None
-        cache = "paged" if paged else "contiguous"
-        if compile and not paged:
-            raise ValueError(f"compile=True needs the paged path, not supported for this model: {paged_supported(model)}")
+        cache = "paged" if compile or (on_gpu and paged_supported(model) is None) else "contiguous"
     if cache == "paged":
         why = paged_supported(model)
         if why is not None:
-            raise ValueError(f"cache='paged' is not supported for this model: {why}")
+            need = "compile=True needs the paged path" if compile else "cache='paged'"
+            raise ValueError(f"{need}, which is not supported for this model: {why}")
     graph = cache == "paged" and input_ids.device.type == "cuda" and cuda_graph is not False
     if cuda_graph and not graph:
         raise ValueError(f"cuda_graph=True needs the paged cache on CUDA, got cache={cache!r} on "
