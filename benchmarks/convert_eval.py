@@ -168,14 +168,14 @@ def stage_warmup(work: Path, out: Path, tokens: int, context: int, budget: tuple
     res = []
     bs, k = budget
     for init in inits:
-        run_dir = work / f"warm_{init}_b{bs}"
+        run_dir = work / warm_name(init, kl_tokens, bs)
         cmd = [sys.executable, "-m", "msakit", "convert", str(src), "--out", str(run_dir), "--train", "index",
                "--index-init", init, "--init-blocks", "1", "--kl-tokens", kl_tokens, "--block-size", str(bs),
                "--topk", str(k), "--context", str(context), "--long-min-tokens", str(HELD_OUT_MIN), "--batch-size", "1",
                "--max-tokens", str(tokens), "--max-train-tokens", str(tokens), "--eval-rows", "2", "--time-budget", str(time_budget), "--index-lr", str(lr),
                "--device", DEVICE, "--dtype", "bfloat16", "--no-progress", "--log-every", "2"]
-        r = run(cmd, time_budget + 300, out / f"log_warm_{init}_b{bs}.txt")
-        r.update(init=init, run_dir=str(run_dir), model=str(run_dir / "model"))
+        r = run(cmd, time_budget + 300, out / f"log_{run_dir.name}.txt")
+        r.update(init=init, kl_tokens=kl_tokens, name=run_dir.name, run_dir=str(run_dir), model=str(run_dir / "model"))
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file():
             r["metrics"] = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()][-40:]
@@ -184,7 +184,7 @@ def stage_warmup(work: Path, out: Path, tokens: int, context: int, budget: tuple
 
 
 def stage_eval(work: Path, out: Path, lengths: str, samples: int, warmed: list[dict], budget: tuple[int, int],
-               models: list[str]) -> list[dict]:
+               models: list[str], base_policies: str) -> list[dict]:
     bs, k = budget
     src = work / "qwen2.5-coder-0.5b-instruct"
     common = ["--tasks", "loss,passkey,niah,vt", "--lengths", lengths, "--depths", "0.1,0.5,0.9",
@@ -192,24 +192,29 @@ def stage_eval(work: Path, out: Path, lengths: str, samples: int, warmed: list[d
               "--dtype", "bfloat16", "--no-progress"]
     jobs = []
     if "base" in models:
-        jobs.append(("base", src, "dense,last1024,window0,window,oracle,msa", ["--init-blocks", "1"]))
-    jobs += [(f"warm_{w['init']}", Path(w["model"]), "msa", []) for w in warmed
-             if w.get("rc") == 0 and f"warm_{w['init']}" in models]
+        jobs.append(("base", src, base_policies, ["--init-blocks", "1"]))
+    jobs += [(w["name"], Path(w["model"]), "msa", []) for w in warmed
+             if w.get("rc") == 0 and ("warm" in models or w["name"] in models)]
     res = []
     for name, model, policies, extra in jobs:
-        eval_dir = work / f"eval_{name}_b{bs}"
+        eval_dir = work / f"eval_{name}" if name.startswith("warm_") else work / f"eval_{name}_b{bs}"
         resume = ["--resume"] if (eval_dir / "results.jsonl").is_file() else []  # a cut call continues
         r = run([sys.executable, "-m", "msakit", "eval", "--model", str(model), "--policies", policies,
-                 "--out", str(eval_dir), *common, *extra, *resume], 1800, out / f"log_eval_{name}_b{bs}.txt")
+                 "--out", str(eval_dir), *common, *extra, *resume], 1800, out / f"log_{eval_dir.name}.txt")
         r["name"] = name
         summ = eval_dir / "summary.json"
         if summ.is_file():
             r["summary"] = json.loads(summ.read_text())
             for f in ("summary.json", "table.md", "results.jsonl", "plot.png"):
                 if (eval_dir / f).is_file():
-                    (out / f"eval_{name}_b{bs}_{f}").write_bytes((eval_dir / f).read_bytes())
+                    (out / f"{eval_dir.name}_{f}").write_bytes((eval_dir / f).read_bytes())
         res.append(r)
     return res
+
+
+def warm_name(init: str, kl_tokens: str, block_size: int) -> str:
+    """The warm-up run's folder name under --work: warm_<init>_<kl tokens>_b<block size>."""
+    return f"warm_{init}_{kl_tokens}_b{block_size}"
 
 
 def export_index(warmed: list[dict], out: Path) -> None:
@@ -223,10 +228,10 @@ def export_index(warmed: list[dict], out: Path) -> None:
             tensors.update({n: t for n, t in load_file(str(f)).items() if ".self_attn.index_" in n})
         if tensors:
             save_file({n: t.to(torch.bfloat16).contiguous() for n, t in tensors.items()},
-                      str(out / f"index_{w['init']}.safetensors"))
+                      str(out / f"index_{w['name']}.safetensors"))
             cfg = folder / "config.json"
             if cfg.is_file():
-                (out / f"index_{w['init']}_config.json").write_text(cfg.read_text())
+                (out / f"index_{w['name']}_config.json").write_text(cfg.read_text())
 
 
 def main(argv=None) -> int:
@@ -243,7 +248,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--budget", default="64,8")
-    ap.add_argument("--models", default="base,warm_random,warm_qk", help="what the eval stage evaluates")
+    ap.add_argument("--models", default="base,warm",
+                    help="what the eval stage evaluates: base, warm (every warm-up of the budget) or warm-up names")
+    ap.add_argument("--base-policies", default="dense,last1024,window0,window,oracle,msa",
+                    help="the policies of the base model's eval")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     budget = tuple(int(x) for x in args.budget.split(","))
@@ -267,12 +275,11 @@ def main(argv=None) -> int:
                 export_index(result["warmup"], args.out)
             elif st == "eval":
                 warmed = result.get("warmup")
-                if warmed is None:
-                    warmed = [dict(init=i, rc=0, model=str(args.work / f"warm_{i}_b{budget[0]}" / "model"))
-                              for i in args.inits.split(",")
-                              if (args.work / f"warm_{i}_b{budget[0]}" / "model").is_dir()]
+                if warmed is None:  # every warm-up of this block size found under --work
+                    warmed = [dict(name=d.name, rc=0, model=str(d / "model"))
+                              for d in sorted(args.work.glob(f"warm_*_b{budget[0]}")) if (d / "model").is_dir()]
                 result["eval"] = stage_eval(args.work, args.out, args.lengths, args.samples, warmed, budget,
-                                            args.models.split(","))
+                                            args.models.split(","), args.base_policies)
             result.setdefault("seconds", {})[st] = time.time() - t0
     finally:
         save_json(path, result)
