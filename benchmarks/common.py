@@ -260,24 +260,26 @@ def profiled_kernels(fn, with_ops: bool = False) -> tuple[list[tuple], list[tupl
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    ev: list[tuple] = []
     events = list(prof.events())
     device = [e for e in events if "CUDA" in str(getattr(e, "device_type", ""))]
+    # the device events are the ground truth (each kernel once, with its device time); a CPU
+    # event's `kernels` list only names the ops around a launch (summing it as well counted
+    # kernels twice: the profiler can attach one kernel to more than one CPU event)
+    ev: list[tuple] = []
     if with_ops:
-        linked: set[int] = set()
+        launchers: dict[int, list[tuple[str, ...]]] = {}
         on_device = {id(e) for e in device}
         for e in events:
             if id(e) in on_device or not getattr(e, "kernels", None):
                 continue
-            linked.add(e.id)
             chain, p = [], e
             while p is not None:
                 chain.append(p.name)
                 p = p.cpu_parent
-            ev += [(k.name, float(k.duration), tuple(chain)) for k in e.kernels]
-        # kernels the profiler linked to no CPU op: by name alone
-        ev += [(e.name, float(e.time_range.elapsed_us()), ()) for e in device
-               if getattr(e, "linked_correlation_id", 0) not in linked]
+            launchers.setdefault(e.id, []).append(tuple(chain))
+        for e in device:
+            chains = launchers.get(getattr(e, "linked_correlation_id", 0), [()])
+            ev.append((e.name, float(e.time_range.elapsed_us()), max(chains, key=len)))  # innermost launch
     else:
         ev = [(e.name, float(e.time_range.elapsed_us())) for e in device]
     tot: dict[str, float] = {}

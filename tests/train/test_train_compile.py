@@ -145,7 +145,8 @@ def toy(kind: str, **overrides) -> torch.nn.Module:
     """The toy model (layer 0 dense MLP, layer 1 MoE), MSA in both layers or ("dense") plain GQA;
     norms drawn away from their zero init so their gradients are not trivial."""
     extra = {"sparse_attention_freq": [0, 0]} if kind == "dense" else {}
-    model = randomize_norms(make_model(vocab_size=V, max_position_embeddings=T, **extra, **overrides))
+    kwargs = {"max_position_embeddings": T, **extra, **overrides}  # an override may set the length
+    model = randomize_norms(make_model(vocab_size=V, **kwargs))
     model.set_attention_mode("dense" if kind == "dense" else "sparse")
     return model.train()
 
