@@ -24,6 +24,9 @@ torch.compile (`generate(..., compile=True)`: inductor fuses the step's elementw
 captures the compiled step) in the same run: ms per token and tokens/s of each (as above), the
 first call's seconds (compilation and capture), and the kernels of one step of each by kind
 (torch.profiler over 16 replayed steps of the pooled decoder, prefill outside the profile).
+--inductor KEY=VALUE (repeatable, with --compile): an inductor option for the compiled step on
+top of msakit's (`msakit.generate.COMPILE_OPTIONS`), e.g. `max_autotune=True` (Triton GEMM
+templates tuned at M = 1) or `coordinate_descent_tuning=True`; recorded in the JSON.
 
 Writes benchmarks/results/generate_<gpu><tag>.json (and --out / $OUT) and prints a table.
 """
@@ -186,6 +189,32 @@ def print_profile(ctx: int, name: str, p: dict) -> None:
         print(f"    {kind:13s} {d['count']:8.1f} kernels {d['us']:9.1f} us", flush=True)
 
 
+def parse_inductor_options(items: list[str]) -> dict:
+    """['max_autotune=True', 'max_autotune_gemm_backends=TRITON'] -> {option: value} (True / False,
+    ints and floats parsed; the option must exist in torch._inductor.config)."""
+    from torch._inductor import config as inductor_config
+
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"generate.py: --inductor must be KEY=VALUE, got {item!r}")
+        if not hasattr(inductor_config, key.split(".")[0]):
+            raise SystemExit(f"generate.py: --inductor {key!r} is not an inductor option")
+        val: object = raw
+        if raw in ("True", "False"):
+            val = raw == "True"
+        else:
+            for cast in (int, float):
+                try:
+                    val = cast(raw)
+                    break
+                except ValueError:
+                    pass
+        out[key] = val
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="*", default=None,
@@ -197,8 +226,17 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="kernel count and time by kind of one decode step")
     ap.add_argument("--compile", action="store_true",
                     help="graphed step uncompiled vs compiled (compile=True): ms/token, tok/s, kernels per step")
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --compile: an inductor option of the compiled step (repeatable)")
     add_run_args(ap, "smoke run: contexts 1024 and 32768, 32 new tokens")
     args = ap.parse_args(argv)
+    inductor = parse_inductor_options(args.inductor)
+    if inductor and not args.compile:
+        ap.error("--inductor needs --compile")
+    if inductor:
+        import msakit.generate as mg
+
+        mg.COMPILE_OPTIONS["options"] = {**mg.COMPILE_OPTIONS["options"], **inductor}
     if args.contexts is None:
         args.contexts = [4096, 32768, 131072] if (args.profile or args.compile) else [1024, 32768, 131072]
     if args.quick:
@@ -213,7 +251,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
             # written after every context: a run cut by its time limit keeps the contexts done
             save_json(f"generate_{gpu_tag(info)}{args.tag}.json", {"env": info, "preset": "small", "mode": "sparse",
-                      "dtype": "bf16", "compare": "compile", "rows": rows}, args.out)
+                      "dtype": "bf16", "compare": "compile", "inductor_options": inductor, "rows": rows}, args.out)
         flat = [{"context": r["context"], "batch": r["batch"], **{f"{n}_{k}": r.get(n, {}).get(k, float("nan"))
                  for n in ("eager", "compiled") for k in ("ms_per_token", "tok_s")},
                  **{f"{n}_kernels": r["profile"].get(n, {}).get("kernels_per_step", float("nan"))

@@ -341,3 +341,14 @@ def test_profiled_kernels_walks_the_ops_around_each_launch(monkeypatch):
                   ("lonely_kernel", 2.0, ())]
     ev, _ = profiled_kernels(lambda: None)
     assert ev == [("fused_adam_kernel", 2.0), ("lonely_kernel", 2.0)]
+
+
+def test_generate_inductor_options_parse_and_refuse():
+    from benchmarks.generate import parse_inductor_options
+
+    assert parse_inductor_options(["max_autotune=True", "coordinate_descent_tuning=False",
+                                   "max_autotune_gemm_backends=TRITON"]) == {
+        "max_autotune": True, "coordinate_descent_tuning": False, "max_autotune_gemm_backends": "TRITON"}
+    for bad in ("max_autotune", "no_such_option=1"):
+        with pytest.raises(SystemExit, match="--inductor"):
+            parse_inductor_options([bad])
