@@ -26,7 +26,9 @@ first call's seconds (compilation and capture), and the kernels of one step of e
 (torch.profiler over 16 replayed steps of the pooled decoder, prefill outside the profile).
 --inductor KEY=VALUE (repeatable, with --compile): an inductor option for the compiled step on
 top of msakit's (`msakit.generate.COMPILE_OPTIONS`), e.g. `max_autotune=True` (Triton GEMM
-templates tuned at M = 1) or `coordinate_descent_tuning=True`; recorded in the JSON.
+templates tuned at M = 1), `freezing=True`, or a JSON value such as
+`pre_grad_fusion_options={"batch_linear_lhs": {"min_fuse_set_size": 2, "max_fuse_search_depth": 64}}`
+(one GEMM for the linears that read the same input); recorded in the JSON.
 
 Writes benchmarks/results/generate_<gpu><tag>.json (and --out / $OUT) and prints a table.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -191,7 +194,7 @@ def print_profile(ctx: int, name: str, p: dict) -> None:
 
 def parse_inductor_options(items: list[str]) -> dict:
     """['max_autotune=True', 'max_autotune_gemm_backends=TRITON'] -> {option: value} (True / False,
-    ints and floats parsed; the option must exist in torch._inductor.config)."""
+    ints, floats and JSON objects / lists parsed; the option must exist in torch._inductor.config)."""
     from torch._inductor import config as inductor_config
 
     out: dict = {}
@@ -202,7 +205,12 @@ def parse_inductor_options(items: list[str]) -> dict:
         if not hasattr(inductor_config, key.split(".")[0]):
             raise SystemExit(f"generate.py: --inductor {key!r} is not an inductor option")
         val: object = raw
-        if raw in ("True", "False"):
+        if raw[:1] in ("{", "["):
+            try:
+                val = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"generate.py: --inductor {key}: {e}") from None
+        elif raw in ("True", "False"):
             val = raw == "True"
         else:
             for cast in (int, float):

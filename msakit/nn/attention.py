@@ -248,13 +248,18 @@ class MSAAttention(GQAProjections):
         elif positions.shape[-1] != T:
             raise ValueError(f"positions must have T={T} entries in its last dim, got {tuple(positions.shape)}")
         cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta)
-        q = self.q_norm(self.q_proj(hidden).view(B, T, c.num_heads, c.head_dim))
-        k = self.k_norm(self.k_proj(hidden).view(B, T, c.num_kv_heads, c.head_dim))
-        v = self.v_proj(hidden).view(B, T, c.num_kv_heads, c.head_dim)
+        # the projections read one 2-D input [B*T, H] (a view): inductor can then merge them into
+        # one GEMM (its same-input linear fusion matches 2-D linears only)
+        h2 = hidden.reshape(B * T, c.hidden_size)
+        q = self.q_norm(self.q_proj(h2).view(B, T, c.num_heads, c.head_dim))
+        k = self.k_norm(self.k_proj(h2).view(B, T, c.num_kv_heads, c.head_dim))
+        v = self.v_proj(h2).view(B, T, c.num_kv_heads, c.head_dim)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         if not (self.index_branch and with_index):
             return q, k, v, None, None
-        h_idx = hidden.detach()  # stop-gradient: the KL never reaches the backbone through the indexer input
+        # stop-gradient: the KL never reaches the backbone through the indexer input (without
+        # autograd there is nothing to stop, and the index projections share q/k/v's input)
+        h_idx = h2.detach() if torch.is_grad_enabled() else h2
         q_idx = self.index_q_norm(self.index_q_proj(h_idx).view(B, T, c.num_kv_heads, c.index_dim))
         k_idx = self.index_k_norm(self.index_k_proj(h_idx).view(B, T, 1, c.index_dim))
         q_idx, k_idx = apply_partial_rope(q_idx, cos, sin), apply_partial_rope(k_idx, cos, sin).squeeze(2)

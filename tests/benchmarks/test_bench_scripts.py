@@ -349,6 +349,8 @@ def test_generate_inductor_options_parse_and_refuse():
     assert parse_inductor_options(["max_autotune=True", "coordinate_descent_tuning=False",
                                    "max_autotune_gemm_backends=TRITON"]) == {
         "max_autotune": True, "coordinate_descent_tuning": False, "max_autotune_gemm_backends": "TRITON"}
-    for bad in ("max_autotune", "no_such_option=1"):
+    assert parse_inductor_options(['pre_grad_fusion_options={"batch_linear_lhs": {"min_fuse_set_size": 2}}']) == {
+        "pre_grad_fusion_options": {"batch_linear_lhs": {"min_fuse_set_size": 2}}}
+    for bad in ("max_autotune", "no_such_option=1", "pre_grad_fusion_options={bad json"):
         with pytest.raises(SystemExit, match="--inductor"):
             parse_inductor_options([bad])
