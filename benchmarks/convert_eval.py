@@ -192,12 +192,12 @@ def stage_eval(work: Path, out: Path, lengths: str, samples: int, warmed: list[d
               "--dtype", "bfloat16", "--no-progress"]
     jobs = []
     if "base" in models:
-        jobs.append(("base", src, base_policies, ["--init-blocks", "1"]))
+        jobs.append((f"base_b{bs}", src, base_policies, ["--init-blocks", "1"]))  # warm-up names carry _b<bs> too
     jobs += [(w["name"], Path(w["model"]), "msa", []) for w in warmed
              if w.get("rc") == 0 and ("warm" in models or w["name"] in models)]
     res = []
     for name, model, policies, extra in jobs:
-        eval_dir = work / f"eval_{name}" if name.startswith("warm_") else work / f"eval_{name}_b{bs}"
+        eval_dir = work / f"eval_{name}"
         resume = ["--resume"] if (eval_dir / "results.jsonl").is_file() else []  # a cut call continues
         r = run([sys.executable, "-m", "msakit", "eval", "--model", str(model), "--policies", policies,
                  "--out", str(eval_dir), *common, *extra, *resume], 1800, out / f"log_{eval_dir.name}.txt")
