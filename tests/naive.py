@@ -78,3 +78,18 @@ def naive_index_kl(q, k, q_idx, k_idx, block_idx, block_size, scale=None, iscale
                 logq = torch.log_softmax(z, 0)
                 total += float((P * (P.log() - logq)).sum())
     return total / (B * G * T)
+
+
+def naive_routed_experts(x, idx, w, w1, w3, w2, alpha=1.702, limit=7.0):
+    """y[n] = sum_j w[n, j] * down(swiglu_oai(gate(x[n]), up(x[n]))) of expert idx[n, j], in float64, one row at a time."""
+    N, k = idx.shape
+    y = torch.zeros(N, w2.shape[1], dtype=torch.float64)
+    for n in range(N):
+        xn = x[n].double()
+        for j in range(k):
+            e = int(idx[n, j])
+            g = (w1[e].double() @ xn).clamp(max=limit)
+            u = (w3[e].double() @ xn).clamp(min=-limit, max=limit)
+            h = g * torch.sigmoid(alpha * g) * (u + 1.0)
+            y[n] += float(w[n, j]) * (w2[e].double() @ h)
+    return y

@@ -13,14 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from msakit.ops.moe import swiglu_oai
+
 __all__ = ["swiglu_oai", "SwiGLUMLP"]
-
-
-def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """SwiGLU-OAI: clamp(gate, max=limit) * sigmoid(alpha * gate) * (clamp(up, +-limit) + 1)."""
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(alpha * gate) * (up + 1.0)
 
 
 class SwiGLUMLP(nn.Module):

@@ -14,7 +14,9 @@ The bias is a parameter with `requires_grad=False`, updated outside the optimize
 Routed experts are stored stacked (`experts.w1` / `w3` [E, I, H], `w2` [E, H, I]: gate / up /
 down, the HF per-expert `experts.{e}.w1/w3/w2` weights) and run grouped: the token-expert pairs
 are sorted by expert and each projection is one grouped matmul (`torch._grouped_mm` where its
-alignment rules hold, else one padded `bmm` over experts).  No Python loop over experts.
+alignment rules hold, else one padded `bmm` over experts).  No Python loop over experts.  Without
+autograd on CUDA, at most `FEW_PAIRS` (token, expert) pairs (decoding) skip the sort and run
+`msakit.ops.moe.routed_experts`: two kernels that read each pair's expert rows directly.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from msakit.nn.mlp import SwiGLUMLP, swiglu_oai
+from msakit.ops.dispatch import use_triton
+from msakit.ops.moe import routed_experts
 
-__all__ = ["route", "grouped_mm", "grouped_mm_ok", "grouped_mm_failed", "compute_dtype", "GroupedExperts", "MoE"]
+__all__ = ["route", "grouped_mm", "grouped_mm_ok", "grouped_mm_failed", "compute_dtype", "GroupedExperts", "MoE",
+           "FEW_PAIRS"]
+
+# Most (token, expert) pairs of a call that run `routed_experts` (each pair reads its expert's
+# rows; beyond a few dozen pairs the sorted grouped matmuls read each expert once).
+FEW_PAIRS = 64
 
 
 def route(
@@ -138,6 +147,19 @@ class GroupedExperts(nn.Module):
         h = swiglu_oai(g, u, self.alpha, self.limit)
         return grouped_mm(h, w2.to(dt).transpose(1, 2), counts, offs)
 
+    def uses_pairs(self, x: torch.Tensor, k: int) -> bool:
+        """Whether `forward_pairs` serves x [N, H] with k experts per token: CUDA (the kernel),
+        N * k <= FEW_PAIRS and no autograd through x or the weights."""
+        if x.shape[0] * k > FEW_PAIRS or x.shape[0] == 0 or not use_triton("routed_experts", "auto", x.device):
+            return False
+        return not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())))
+
+    def forward_pairs(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [N, H], idx / w [N, k] -> float32 [N, H] = sum_j w[n, j] expert_{idx[n, j]}(x[n]), unsorted
+        (`msakit.ops.moe.routed_experts`, in the experts' compute dtype)."""
+        w1, w3, w2 = self.expert_weights()
+        return routed_experts(x.to(compute_dtype(x, w1)), idx, w, w1, w3, w2, alpha=self.alpha, limit=self.limit)
+
     def forward_naive(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Reference: a Python loop over experts (tests only).  x [N, H], idx/w [N, k] -> [N, H]."""
         out = torch.zeros_like(x, dtype=torch.float32)
@@ -234,19 +256,21 @@ class MoE(nn.Module):
         N, k = xf.shape[0], self.top_k
         w, idx = self.route(xf)
         flat_e = idx.reshape(-1)
-        order = flat_e.argsort(stable=True)
-        tok = order // k
         # not torch.bincount: on CUDA it reads the largest id on the host (a sync per layer, and
         # no CUDA-graph capture of a decode step); integer scatter-adds give the same counts
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat_e.device).scatter_add_(
             0, flat_e, torch.ones_like(flat_e))
-        h = self.experts(xf[tok], counts)  # [N*k, H], sorted by expert
-        # un-sort (a permutation: a plain gather, no atomics) and sum each token's k outputs in
-        # float32 in a fixed order, so the forward is deterministic on GPU too
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        h = h.index_select(0, inv).view(N, k, -1).float()
-        y = (h * w.unsqueeze(-1)).sum(dim=1)
+        if self.experts.uses_pairs(xf, k):
+            y = self.experts.forward_pairs(xf, idx, w)
+        else:
+            order = flat_e.argsort(stable=True)
+            h = self.experts(xf[order // k], counts)  # [N*k, H], sorted by expert
+            # un-sort (a permutation: a plain gather, no atomics) and sum each token's k outputs in
+            # float32 in a fixed order, so the forward is deterministic on GPU too
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(order.numel(), device=order.device)
+            h = h.index_select(0, inv).view(N, k, -1).float()
+            y = (h * w.unsqueeze(-1)).sum(dim=1)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf).to(y.dtype)
         return y.to(x.dtype).reshape(shape), counts.detach().float()

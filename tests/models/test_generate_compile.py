@@ -65,6 +65,38 @@ def test_compiled_step_equals_eager(mode: str) -> None:
     torch.testing.assert_close(comp.cache.k_idx, eager.cache.k_idx, rtol=tol, atol=tol)
 
 
+def test_compiled_step_with_routed_experts_op(monkeypatch) -> None:
+    """The MoE decode path (`routed_experts`, a custom op: CUDA only by default, forced here on
+    its reference) traces into the compiled step without a graph break and gives the eager
+    step's logits."""
+    from msakit.nn.moe import GroupedExperts
+
+    calls = []
+    real = GroupedExperts.forward_pairs
+
+    def counted(self, x, idx, w):
+        calls.append(x.shape[0])
+        return real(self, x, idx, w)
+
+    monkeypatch.setattr(GroupedExperts, "uses_pairs", lambda self, x, k: not torch.is_grad_enabled())
+    monkeypatch.setattr(GroupedExperts, "forward_pairs", counted)
+    torch._dynamo.reset()
+    model = paged_model("sparse", layers=LAYERS)
+    prompt = torch.randint(0, 256, (B, 40), generator=torch.Generator().manual_seed(2))
+    eager = PagedDecoder(model, B, MAX_LEN, backend="reference")
+    comp = PagedDecoder(model, B, MAX_LEN, backend="reference", compile=True)
+    le, lc = eager.prefill(prompt), comp.prefill(prompt)
+    tol = tolerance(model.dtype, model.config.hidden_size)
+    for _ in range(3):
+        new = le.argmax(-1, keepdim=True)
+        le, lc = eager.step(new), comp.step(new)
+        assert comp.compile_disabled_reason is None, comp.compile_disabled_reason
+        torch.testing.assert_close(lc, le, rtol=tol, atol=tol * le.abs().max().item())
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert B in calls  # the decode steps took the pairs path
+    torch._dynamo.reset()
+
+
 def test_generate_compile_reuses_the_graph() -> None:
     """generate(compile=True) gives the tokens of compile=False; the compiled decoder is pooled
     under its own key; a second decoder of the same shape (another call, another model of the
