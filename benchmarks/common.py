@@ -214,8 +214,9 @@ def print_rows(rows: list[dict], columns: list[tuple[str, str, str]], lead: tupl
 KERNEL_KINDS: tuple[tuple[str, str], ...] = (
     ("msa_decode", r"_score2?_kernel|_merge[12]_kernel|_attn_kernel|_combine_kernel|msa_decode|decode"),
     ("sampling", r"argmax|multinomial|exponential|distribution|philox|sampl|cumsum.*prob|gumbel"),
+    ("routed_experts", r"_gate_up_kernel|_down_kernel"),  # msakit.ops.moe (MoE decode path)
     ("moe_routing", r"sort|radix|topk|top_k|scatter|gather|index|cumsum|scan|histc|bincount|route"),
-    ("grouped_gemm", r"grouped|group_gemm|_grouped_mm"),
+    ("grouped_gemm", r"grouped|group_gemm|_grouped_mm|GroupProblem"),  # cutlass's GemmUniversal<GroupProblemShape..>
     ("gemm", r"gemm|nvjet|cublas|xmma|cutlass|matmul|wgmma|splitk"),
     ("norm", r"norm|rms"),
     ("rope", r"rope|rotary"),

@@ -67,11 +67,6 @@ class Claim:
         return self.prefix or Path(self.script).stem
 
 
-# inductor options of the "fused" compiled step: linears reading one input merged into one GEMM
-# (the pass's defaults look for >= 5 linears within 5 nodes), weights folded as constants
-FUSED_LINEARS = ("--inductor", 'pre_grad_fusion_options={"batch_linear_lhs": {"min_fuse_set_size": 2, '
-                 '"max_fuse_search_depth": 64}}', "--inductor", "freezing=True")
-
 CLAIMS: dict[str, Claim] = {
     # forward 16K / 128K / 1M and training step 16K / 128K, random and trained-like selections
     "prefill": Claim("prefill.py", budget_s=240, quick_budget_s=90, expect_s=130, quick_expect_s=45),
@@ -87,17 +82,6 @@ CLAIMS: dict[str, Claim] = {
     "generate_compile": Claim("generate.py", ("--compile",), ("--compile", "--quick"), budget_s=300,
                               quick_budget_s=150, expect_s=180, quick_expect_s=90, prefix="generate",
                               tag_suffix="_compile", note="writes generate_<gpu><tag>_compile.json"),
-    # the compiled step with inductor's Triton GEMM templates autotuned (M = 1 GEMMs), and with its
-    # same-input linear fusion (q/k/v/index and gate/up as one GEMM each) on frozen weights
-    "generate_compile_autotune": Claim("generate.py", ("--compile", "--inductor", "max_autotune=True"),
-                                       ("--compile", "--quick", "--inductor", "max_autotune=True"), budget_s=420,
-                                       quick_budget_s=200, expect_s=260, quick_expect_s=120, prefix="generate",
-                                       tag_suffix="_compile_autotune",
-                                       note="writes generate_<gpu><tag>_compile_autotune.json"),
-    "generate_compile_fused": Claim("generate.py", ("--compile", *FUSED_LINEARS), ("--compile", "--quick", *FUSED_LINEARS),
-                                    budget_s=300, quick_budget_s=150, expect_s=180, quick_expect_s=90,
-                                    prefix="generate", tag_suffix="_compile_fused",
-                                    note="writes generate_<gpu><tag>_compile_fused.json"),
     # speculative decoding: run 17's training step for step, speed table at B 1 (T 0 and 1)
     "spec": Claim("spec.py", ("--recipe", "run17", "--speed-batches", "1"), budget_s=330, quick_budget_s=150,
                   expect_s=240, quick_expect_s=80),

@@ -275,8 +275,17 @@ def _step_forward(model: Any, new: torch.Tensor, positions: torch.Tensor, slots:
 
 
 # torch.compile options of the step: no inductor CUDA graphs (PagedDecoder captures its own graph
-# around the compiled step; "reduce-overhead" would capture a second one inside it)
-COMPILE_OPTIONS: dict[str, Any] = {"fullgraph": True, "dynamic": False, "options": {"triton.cudagraphs": False}}
+# around the compiled step; "reduce-overhead" would capture a second one inside it), and
+# inductor's same-input linear fusion with a reach that finds a layer's projections (q / k / v /
+# index q / index k read one 2-D view, as do the shared expert's gate / up): one GEMM each at
+# M = B * nq, where a decode step's GEMMs cost their launch, not their bytes.  The pass's own
+# defaults look for >= 5 linears within 5 nodes.  The weights are concatenated inside the step
+# (not folded as constants), so a changed weight is read by the next step.
+COMPILE_OPTIONS: dict[str, Any] = {
+    "fullgraph": True, "dynamic": False,
+    "options": {"triton.cudagraphs": False,
+                "pre_grad_fusion_options": {"batch_linear_lhs": {"min_fuse_set_size": 2, "max_fuse_search_depth": 64}}},
+}
 _COMPILED: list[Callable[..., torch.Tensor]] = []
 
 

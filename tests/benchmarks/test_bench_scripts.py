@@ -46,6 +46,9 @@ def test_prefill_flop_counts():
     ("void at::native::(anonymous namespace)::radixSortKVInPlace<...>", "moe_routing"),
     ("void at::native::_scatter_gather_elementwise_kernel<...>", "moe_routing"),
     ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<grouped>>", "grouped_gemm"),
+    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17GroupProblem",
+     "grouped_gemm"),  # torch._grouped_mm's kernel, mangled
+    ("_gate_up_kernel", "routed_experts"), ("_down_kernel", "routed_experts"),
     ("nvjet_tst_128x64_64x6_1x1_v_bz_coopA_TNT", "gemm"),
     ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>", "norm"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),

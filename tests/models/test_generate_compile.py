@@ -60,6 +60,8 @@ def test_compiled_step_equals_eager(mode: str) -> None:
         assert torch.equal(lc.argmax(-1), le.argmax(-1)), i
     assert graphs() - before <= 1  # at most one new graph (none when an earlier test compiled this mode's)
     assert graphs() >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    # COMPILE_OPTIONS' same-input linear fusion found the layers' projections
+    assert counters["inductor"]["batch_linear_lhs"] >= len(LAYERS), dict(counters["inductor"])
     assert [comp.cache.length(s) for s in comp.seq_ids] == [50, 50]
     torch.testing.assert_close(comp.cache.k, eager.cache.k, rtol=tol, atol=tol)
     torch.testing.assert_close(comp.cache.k_idx, eager.cache.k_idx, rtol=tol, atol=tol)

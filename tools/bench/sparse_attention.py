@@ -266,24 +266,26 @@ def compile_report(arch: int = 90, T: int = 131072, worklist: bool = True, sass:
     cfg = K.FWD_CONFIG
     q_tile, bm, bn, bd, _ = K._tile(cfg, geo)
     sig = dict(Q="*bf16", K="*bf16", V="*bf16", OP="*bf16", LP="*fp32", ENT_Q="*i32", IT_KEY="*i64",
-               IT_START="*i64", IT_COUNT="*i32", N=T, n0=C, qk_scale=0.1)
+               IT_START="*i64", IT_COUNT="*i32", GRP_ENT="*i32", GRP_ITEM="*i32", N=T, n0=C, qk_scale=0.1, grp=1,
+               max_items=C)
     consts = dict(HQ=Hq, G=G, D=D, KS=KS, BS=bs, HPG=geo.hpg, Q_TILE=q_tile, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
                   PREC="tf32", UPCAST=False, SKIP_EMPTY=False)
     build("fwd", K._sa_fwd_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     cfg = K.BWD_CONFIG
     q_tile, bm, bn, bd, _ = K._tile(cfg, geo)
     sig = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE2="*fp32", DELTA="*fp32", DQP="*bf16", DKA="*fp32",
-               DVA="*fp32", ENT_Q="*i32", IT_KEY="*i64", IT_START="*i64", IT_COUNT="*i32", N=T, n0=C,
-               qk_scale=0.1, sm_scale=0.1)
+               DVA="*fp32", ENT_Q="*i32", IT_KEY="*i64", IT_START="*i64", IT_COUNT="*i32", GRP_ENT="*i32",
+               GRP_ITEM="*i32", N=T, n0=C, qk_scale=0.1, sm_scale=0.1, grp=1, max_items=C)
     consts = dict(HQ=Hq, G=G, D=D, KS=KS, BS=bs, HPG=geo.hpg, Q_TILE=q_tile, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
                   PREC="tf32", UPCAST=False, SKIP_EMPTY=False)
     build("bwd", K._sa_bwd_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    rbt, rbh, rbd = K._reduce_tile(Hq, D)
-    sig = dict(P="*bf16", LP="*fp32", NV="*i32", INV="*i32", OUT="*bf16", LSE="*fp32", n0=C, C=C, T=T)
+    rbt, rbh, rbd = K._reduce_tile(geo.hpg, D)  # the merge runs per group
+    sig = dict(P="*bf16", LP="*fp32", NV="*i32", INV="*i32", GRP_ENT="*i32", OUT="*bf16", LSE="*fp32", n0=C, C=C, T=T,
+               grp=1)
     consts = dict(HQ=Hq, D=D, KS=KS, HPG=geo.hpg, BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd)
     build("fwd merge", K._sa_fwd_merge_kernel, sig, consts, num_warps=K.REDUCE_WARPS, num_stages=1)
     bhp = triton.next_power_of_2(geo.hpg)
-    sig = dict(P="*bf16", NV="*i32", INV="*i32", OUT="*bf16", n0=C, C=C)
+    sig = dict(P="*bf16", NV="*i32", INV="*i32", GRP_ENT="*i32", OUT="*bf16", n0=C, C=C, grp=1)
     consts = dict(HQ=Hq, D=D, KS=KS, HPG=geo.hpg, BLOCK_T=max(1, 16 // bhp), BLOCK_HP=bhp, BLOCK_D=D,
                   NUM_STAGES=K.DQ_REDUCE_STAGES)
     build("dq reduce", K._sa_dq_reduce_kernel, sig, consts, num_warps=K.DQ_REDUCE_WARPS, num_stages=K.DQ_REDUCE_STAGES)

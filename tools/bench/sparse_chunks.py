@@ -1,7 +1,7 @@
 """Memory against time of the sparse-attention forward as a function of its query chunk (GPU).
 
 The KV-outer forward writes one partial output per (query, slot) of a chunk of C query rows
-(`CHUNK_BYTES` of bf16 partials by default), which sets its peak extra memory (issue: <= 1 GiB
+(`CHUNK_BYTES` of one KV group's bf16 partials by default), which sets its peak extra memory (issue: <= 1 GiB
 at 16K, <= 4 GiB at 1M).  Smaller chunks cut the memory and leave fewer of a chunk's queries per
 key block (emptier work items).  This sweep times the forward (index_topk's selection on random
 keys, and the trained-like selection) at several partial budgets, and the "fill" rule: the
@@ -37,8 +37,9 @@ ITEM_QUERIES = 128
 
 
 def rows_for(budget_bytes: float, T: int) -> int:
-    per_row = TOPK * HQ * (D * 2 + 4) + G * TOPK * 48  # as the launcher's chunk rule counts
-    return max(1, min(T, int(budget_bytes // per_row)))
+    """Query rows per chunk the launcher takes for this budget (its own rule)."""
+    return K.chunk_rows_for(int(budget_bytes), tokens=T, heads=HQ, groups=G, head_dim=D, topk=TOPK,
+                            elt_bytes=2, lse_bytes=4)
 
 
 def fill_rows(T: int, cap_bytes: float, floor_bytes: float) -> int:

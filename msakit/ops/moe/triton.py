@@ -13,8 +13,10 @@ sorted by expert around it; here two kernels read the pairs' expert rows directl
   order, the down rows of that slot's expert times h, rounded to x's dtype, weighted by w and
   summed in float32 -> y [N, H].  No atomics: the result does not depend on the launch.
 
-Tiles are picked so that a launch has about two programs per SM (`_rows_per_program`): the
-weight reads, not the FLOPs, set the time.  Pairs that share an expert read its rows again
+Tiles are picked so that a launch has about two programs per SM (`_rows_per_program`) and a
+program loads its rows' whole reduction dim in one step where that stays small
+(`_reduce_block`; the down kernel's slot loop is unrolled): the latency of dependent weight
+reads, not the FLOPs, sets the time at these sizes.  Pairs that share an expert read its rows again
 (from L2 when they are close in time), so the launcher is meant for P <= a few dozen pairs.
 """
 
@@ -29,7 +31,7 @@ import triton.language as tl
 __all__ = ["routed_experts_triton"]
 
 TARGET_PROGRAMS = 264  # ~2 per SM of an H200
-BLOCK_K = 128  # elements of the reduction dim per step
+TILE_ELEMS = 4096  # weight elements one program loads per step (32 per thread at 4 warps)
 
 
 def _pow2(x: int) -> int:
@@ -37,9 +39,15 @@ def _pow2(x: int) -> int:
 
 
 def _rows_per_program(rows: int, groups: int) -> int:
-    """Rows of the output per program (a power of two in [8, 64]) so that groups * rows / r ~ TARGET_PROGRAMS."""
+    """Rows of the output per program (a power of two in [4, 64]) so that groups * rows / r ~ TARGET_PROGRAMS."""
     r = _pow2(max(1, (groups * rows) // TARGET_PROGRAMS))
-    return max(8, min(64, r, _pow2(rows)))
+    return max(4, min(64, r, _pow2(rows)))
+
+
+def _reduce_block(rows: int, n: int) -> int:
+    """Elements of the reduction dim per step: all of n in one step when the tile stays within
+    TILE_ELEMS (decode shapes: the loads of a step are all in flight at once)."""
+    return max(16, min(_pow2(n), TILE_ELEMS // rows))
 
 
 @triton.jit
@@ -70,15 +78,15 @@ def _gate_up_kernel(X, IDX, W1, W3, Hout, I, H, K_SLOTS,
 
 
 @triton.jit
-def _down_kernel(Hin, IDX, WT, W2, Y, I, H, K_SLOTS,
+def _down_kernel(Hin, IDX, WT, W2, Y, I, H,
                  s2e, s2o, s2i,
-                 BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+                 K_SLOTS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
     n = tl.program_id(0)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < H
     xdt = Hin.dtype.element_ty
     y = tl.zeros([BLOCK_O], tl.float32)
-    for j in range(0, K_SLOTS):
+    for j in tl.static_range(K_SLOTS):  # unrolled: every slot's loads can be in flight together
         p = n * K_SLOTS + j
         e = tl.load(IDX + p).to(tl.int64)
         wt = tl.load(WT + p)
@@ -109,13 +117,13 @@ def routed_experts_triton(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w
             xc, ic, w1, w3, h, I, H, k,
             w1.stride(0), w1.stride(1), w1.stride(2), w3.stride(0), w3.stride(1), w3.stride(2),
             float(alpha), float(limit),
-            BLOCK_I=bi, BLOCK_H=min(BLOCK_K, _pow2(H)), num_warps=4,
+            BLOCK_I=bi, BLOCK_H=_reduce_block(bi, H), num_warps=4,
         )
         bo = _rows_per_program(H, N)
         _down_kernel[(N, triton.cdiv(H, bo))](
-            h, ic, wc, w2, y, I, H, k,
+            h, ic, wc, w2, y, I, H,
             w2.stride(0), w2.stride(1), w2.stride(2),
-            BLOCK_O=bo, BLOCK_I=min(BLOCK_K, _pow2(I)), num_warps=4,
+            K_SLOTS=k, BLOCK_O=bo, BLOCK_I=_reduce_block(bo, I), num_warps=4,
         )
     return y
 

@@ -24,9 +24,9 @@ grid is an upper bound (`max_items`; padding items do nothing).
 
 Forward combine:
   every (query, head, slot) gets a partial output normalised by its own softmax sum, in
-  q.dtype, plus its own lse_s = m_s + log l_s in fp32.  The partial buffers are *entry-major*
-  (`OP` [M entries x Hq/G heads, D], `LP` [M x Hq/G]; entry = position in the key-sorted work
-  list), so a sub-tile's rows are contiguous (one 16 KB store, no per-row slot load: the
+  q.dtype, plus its own lse_s = m_s + log l_s in fp32.  The partial buffers hold ONE KV group
+  and are *entry-major* (`OP` [M_g entries x Hq/G heads, D], `LP` [M_g x Hq/G]; entry = position
+  in the key-sorted work list less the group's first entry), so a sub-tile's rows are contiguous (one 16 KB store, no per-row slot load: the
   dependent slot load was the hottest stall under ncu); `inv` maps (group, row, slot) to its
   entry.  A merge kernel forms lse = logsumexp_s lse_s and o = sum_s exp(lse_s - lse) O_s over
   the row's valid slots (slot s is valid iff s < nvalid(g, n): nothing is pre-filled).
@@ -41,11 +41,22 @@ Forward combine:
   forward is memory-bound.  At T = 128K: ~103 GB = ~26 ms at 4 TB/s (main kernel ~17 ms,
   merge ~9 ms) against 8.8 TFLOP = ~14 ms of MMA at 650 TFLOP/s: ~27-32 ms, i.e. ~280-330
   TFLOP/s effective; the work list (one torch sort per chunk) adds ~0.4 ms per chunk.
-  Memory: partial buffers per chunk of C query rows, C set so that they take <= CHUNK_BYTES
-  (5 GiB: C = 19,712 rows at M3's shape, 269 KB per row): the forward's peak extra memory is
-  ~5 GiB at any T >= 20K (plus lse itself and ~50 B per entry of a chunk's work list).  The
-  backward: BWD_CHUNK_BYTES (8 GiB) of dq partials + fp32 dK/dV (4 GiB at 1M) + 8 B per
-  (token, head) of delta and lse: ~12.5 GiB at 1M.
+  Memory: the groups run one after another over one partial buffer.  Keys g * N + start sort
+  group by group, so group g's valid entries E_g .. E_{g+1}-1 and its items are contiguous
+  (`_Items.grp_ent`, `grp_item`: device cumsums, no host sync); the main kernel and the merge
+  are launched once per group over them (grid: a host-side bound on the group's items), which
+  shrinks the partials G-fold and moves no extra byte (a key belongs to one group).  The buffer
+  is sized by a host-side bound on one group's valid entries in a chunk (`_entry_bound`: a row
+  at position p has at most min(KS, p // bs + 1) valid slots) and allocated after the first
+  chunk's work list is built (the sort's temporaries are freed by then).  At M3's shape and
+  T = 16K (one chunk): 246,784 entries x 16 heads x (256 + 4) B = 0.96 GiB of partials + ~8 B
+  per entry of the work list (ent_q, inv: 8 MB) = ~0.96 GiB of peak extra memory.  Query chunks
+  of C rows keep one group's partials plus the chunk's work list (48 B per (group, slot) entry)
+  within CHUNK_BYTES (3.25 GiB: 69,632 B per row, C = 47,872 rows at T = 1M, 22 chunks balanced
+  by `chunk_rows_for`): at 1M the partials take 2.97 GiB, and the next chunk's work list while
+  it is built ~0.14 GiB beside them (plus lse itself).  The backward: BWD_CHUNK_BYTES (8 GiB) of
+  one group's dq partials plus the work list (C = 116,736 rows at 1M: 7.1 GiB of dq partials) +
+  fp32 dK/dV (4 GiB at 1M) + 8 B per (token, head) of delta and lse: ~12 GiB at 1M.
 
 Backward (dq, dk, dv), over the same kind of items (longer: 512 queries):
   a small kernel writes delta = rowsum(dO * O) - dlse and lse * log2(e) token-major [N, Hq];
@@ -60,8 +71,9 @@ Backward (dq, dk, dv), over the same kind of items (longer: 512 queries):
   ~134 GB = ~33 ms against 22 TFLOP = ~35 ms of MMA, so ~45-60 ms (~370-490 TFLOP/s).
   Query chunks (BWD_CHUNK_BYTES) split each key's queries, so a key costs one K/V load and
   one dK/dV atomic flush (~320 KB of traffic) per chunk it is used in: negligible at 128K
-  (~300 queries per key and chunk) but ~+25% traffic at 1M (~60 queries per key and chunk);
-  the forward pays only the K/V load (~+10% at 1M).
+  (2 chunks, ~1,000 queries per key and chunk) and ~+7% traffic at 1M (9 chunks, ~230 queries
+  per key and chunk); the forward pays only the K/V load (~+4% at 1M: ~90 queries per key and
+  chunk).
 
 Inputs: fp16/bf16 on the GPU (fp32 too under the interpreter), block_size and head dim <= 128
 (`kernel_supports`).  Kernel configurations: FWD_CONFIG / BWD_CONFIG (compiled for sm_90 with
@@ -86,17 +98,21 @@ __all__ = [
     "BWD_CONFIG",
     "CHUNK_BYTES",
     "BWD_CHUNK_BYTES",
+    "chunk_rows_for",
     "kernel_supports",
     "sparse_attention_fwd_triton",
     "sparse_attention_bwd_triton",
 ]
 
-# Bytes the per-chunk partial buffers may take: forward o + lse partials (5 GiB keeps the
-# forward's peak extra memory at 1M under 8 GiB), backward dq partials (8 GiB: bigger chunks
-# mean fewer items per key, hence fewer K/V loads and dK/dV atomics; the backward also holds
-# fp32 dK/dV accumulators, 8 B per key token and dim).  `chunk_rows=` of the launchers
-# overrides them per call.
-CHUNK_BYTES = 5 << 30
+# Bytes one query chunk may take: ONE KV group's partials (the launchers run the groups one
+# after another over one buffer) plus the chunk's work list, as `chunk_rows_for` counts them.
+# Forward o + lse partials: 3.25 GiB (69,632 B per row at M3's shape: 47,872-row chunks at 1M,
+# 2.97 GiB of partials, which with lse, the selection and a work list being built keeps the 1M
+# forward's peak extra memory under 4 GiB; a 16K forward is one chunk whose partials are sized
+# by its valid entries, 0.96 GiB).  Backward dq partials: 8 GiB (bigger chunks mean fewer items
+# per key, hence fewer K/V loads and dK/dV atomics; the backward also holds fp32 dK/dV
+# accumulators, 8 B per key token and dim).  `chunk_rows=` of the launchers overrides them.
+CHUNK_BYTES = 13 << 28
 BWD_CHUNK_BYTES = 8 << 30
 REDUCE_WARPS = 8  # forward slot merge / backward prologue: 64 rows x D per program
 MAX_BLOCK = 128  # largest block_size and head dim the kernels take (K, V resident in shared memory)
@@ -165,6 +181,8 @@ class _Items:
     it_count: torch.Tensor  # int32 [max_items]: entries in the item (0 = padding)
     nvalid: torch.Tensor  # int32 [G, C]: valid slots of each (group, row)
     inv: torch.Tensor  # int32 [G * C * K]: entry index of (group, row, slot) (valid slots only)
+    grp_ent: torch.Tensor  # int32 [G + 1]: group g's entries are grp_ent[g] .. grp_ent[g+1]-1
+    grp_item: torch.Tensor  # int32 [G + 1]: group g's items are grp_item[g] .. grp_item[g+1]-1
     max_items: int
 
 
@@ -310,7 +328,14 @@ def _build_items(
     ks = torch.zeros((2, max_items), dtype=torch.int64, device=dev)
     it_count = torch.zeros(max_items, dtype=torch.int32, device=dev)
     _wl_item_kernel[grid](skey, first, csum, ks[0], ks[1], it_count, M, item_queries, int(item_queries).bit_length(), BLOCK=be, num_warps=4)
-    return _Items(ent_q, ks[0], ks[1], it_count, nvalid, inv, max_items)
+    # keys g * N + start sort group by group (the sentinel kspace after all), so group g's valid
+    # entries are E_g .. E_{g+1}-1 with E = the exclusive cumsum of its valid slots, and its
+    # items are those starting at entries E_g .. E_{g+1}-1: the items before E_g = csum[E_g - 1]
+    grp_ent = torch.zeros(G + 1, dtype=torch.int32, device=dev)
+    grp_ent[1:] = torch.cumsum(nvalid.sum(1), 0)
+    before = (grp_ent.long() - 1).clamp(min=0)
+    grp_item = torch.where(grp_ent > 0, csum[before], torch.zeros_like(grp_ent))
+    return _Items(ent_q, ks[0], ks[1], it_count, nvalid, inv, grp_ent, grp_item, max_items)
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -345,6 +370,21 @@ def _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G: tl.constexpr, D: tl.const
 
 
 @triton.jit
+def _group_item(IT_COUNT, GRP_ENT, GRP_ITEM, grp, max_items):
+    """(item, entries, first entry of the group) of program program_id(0) of group grp's launch.
+    The grid is a host-known bound on the group's items: programs past them are padding (count
+    0; the item index is clamped so that nothing is read past the work list's arrays)."""
+    pid0 = tl.program_id(0)
+    ib = tl.load(GRP_ITEM + grp)
+    ie = tl.load(GRP_ITEM + grp + 1)
+    e0 = tl.load(GRP_ENT + grp).to(tl.int64)
+    pid = tl.minimum(ib + pid0, max_items - 1)
+    count = tl.load(IT_COUNT + pid)
+    count = tl.where(pid0 < ie - ib, count, 0)
+    return pid, count, e0
+
+
+@triton.jit
 def _needs_causal_mask(row_ok, rel, BLOCK_N: tl.constexpr):
     """Whether a valid row sits inside the key's block (its own, diagonal block) or the block
     is partial: elsewhere every key of the block is visible and the mask can be skipped (~130
@@ -352,18 +392,19 @@ def _needs_causal_mask(row_ok, rel, BLOCK_N: tl.constexpr):
     return tl.min(tl.where(row_ok, rel, BLOCK_N)) < BLOCK_N - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["grp", "max_items"])
 def _sa_fwd_kernel(
     Q, K, V, OP, LP,
-    ENT_Q, IT_KEY, IT_START, IT_COUNT,
-    N, n0, qk_scale,
+    ENT_Q, IT_KEY, IT_START, IT_COUNT, GRP_ENT, GRP_ITEM,
+    N, n0, qk_scale, grp, max_items,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    count = tl.load(IT_COUNT + pid)
+    """Program i takes item i of group grp (`_group_item`); its partials go to OP / LP, the
+    buffers of that one group (row (entry - first entry of the group) * HPG + head in group)."""
+    pid, count, e0 = _group_item(IT_COUNT, GRP_ENT, GRP_ITEM, grp, max_items)
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
         if count == 0:
             return
@@ -409,37 +450,38 @@ def _sa_fwd_kernel(
         ob = acc * (1.0 / l_safe)[:, None]
         lse = (m + tl.log2(l_safe)) * 0.6931471805599453
         # partials are entry-major (row e * HPG + head in group): a sub-tile's rows are contiguous
-        prow = (start + sub) * HPG + offs_m
+        prow = (start - e0 + sub) * HPG + offs_m
         tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LP + prow, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["grp"])
 def _sa_fwd_merge_kernel(
-    P, LP, NV, INV, OUT, LSE,
-    n0, C, T,
+    P, LP, NV, INV, GRP_ENT, OUT, LSE,
+    n0, C, T, grp,
     HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The forward's slot merge: OUT[n0 + t, h] = sum over the valid slots s < NV[g, t] of
-    exp(LP[e, h % HPG] - lse) P[e, h % HPG] with e = INV[g, t, s] the entry of (g, t, s), and
-    lse = logsumexp_s LP[e, h % HPG] into LSE [B, HQ, T].  One program: BLOCK_T rows x BLOCK_H
-    heads; the max pass walks the slots (INV, then LP), the sum takes two slots per step."""
+    """The forward's slot merge for the heads h = grp * HPG + hh of group grp: OUT[n0 + t, h] =
+    sum over the valid slots s < NV[grp, t] of exp(LP[r] - lse) P[r] with r = (INV[grp, t, s] -
+    GRP_ENT[grp]) * HPG + hh (P, LP: that group's partials, entry-major), and lse =
+    logsumexp_s LP[r] into LSE [B, HQ, T].  One program: BLOCK_T rows x BLOCK_H heads of the
+    group; the max pass walks the slots (INV, then LP), the sum takes two slots per step."""
     offs_r = tl.arange(0, BLOCK_T * BLOCK_H)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_H
-    h = tl.program_id(1) * BLOCK_H + offs_r % BLOCK_H
-    ok = (t < C) & (h < HQ)
-    g = h // HPG
-    nv = tl.load(NV + g * C + t, mask=ok, other=0)
+    hh = tl.program_id(1) * BLOCK_H + offs_r % BLOCK_H
+    ok = (t < C) & (hh < HPG)
+    h = grp * HPG + hh
+    nv = tl.load(NV + grp * C + t, mask=ok, other=0)
     t64 = t.to(tl.int64)
-    ibase = (g.to(tl.int64) * C + t64) * KS  # (g, t, slot 0) in INV [G, C, KS]
-    hh = h % HPG
+    ibase = (grp * C + t64) * KS  # (grp, t, slot 0) in INV [G, C, KS]
+    e0 = tl.load(GRP_ENT + grp).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     sw = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
     mx = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
     for s in range(0, KS):
-        e = tl.load(INV + ibase + s, mask=ok & (s < nv), other=0).to(tl.int64)
+        e = tl.load(INV + ibase + s, mask=ok & (s < nv), other=0).to(tl.int64) - e0
         ls = tl.load(LP + e * HPG + hh, mask=ok & (s < nv), other=float("-inf"))
         mx = tl.maximum(mx, ls)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
@@ -447,8 +489,8 @@ def _sa_fwd_merge_kernel(
     for s in range(0, KS, 2):  # two slots per step: both loads in flight together
         ok0 = ok & (s < nv)
         ok1 = ok & (s + 1 < nv)  # nv <= KS, so an odd KS never reads slot KS
-        r0 = tl.load(INV + ibase + s, mask=ok0, other=0).to(tl.int64) * HPG + hh
-        r1 = tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) * HPG + hh
+        r0 = (tl.load(INV + ibase + s, mask=ok0, other=0).to(tl.int64) - e0) * HPG + hh
+        r1 = (tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) - e0) * HPG + hh
         x0 = tl.load(P + r0[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
         x1 = tl.load(P + r1[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)
         w0 = tl.exp(tl.load(LP + r0, mask=ok0, other=float("-inf")) - mx)
@@ -463,36 +505,36 @@ def _sa_fwd_merge_kernel(
     tl.store(LSE + (b * HQ + h) * T + (n - b * T), lse, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["grp"])
 def _sa_dq_reduce_kernel(
-    P, NV, INV, OUT,
-    n0, C,
+    P, NV, INV, GRP_ENT, OUT,
+    n0, C, grp,
     HQ: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, HPG: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HP: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """The backward's dq reduce: OUT[n0 + t, h] = sum over the valid slots s < NV[g, t] of
-    P[INV[g, t, s], h % HPG].  One program = BLOCK_T rows of the chunk x the HPG heads of one
-    group (program_id(1)), so each (row, slot)'s partial is one contiguous run of HPG * D
-    elements (4 KB at M3's shape).  The slot loop is software-pipelined by Triton over
+    """The backward's dq reduce for group grp: OUT[n0 + t, grp * HPG + hh] = sum over the valid
+    slots s < NV[grp, t] of P[(INV[grp, t, s] - GRP_ENT[grp]) * HPG + hh] (P: that group's
+    partials).  One program = BLOCK_T rows of the chunk x the HPG heads of the group, so each
+    (row, slot)'s partial is one contiguous run of HPG * D elements (4 KB at M3's shape).  The slot loop is software-pipelined by Triton over
     NUM_STAGES (cp.async of the next steps' partials into shared memory: bytes in flight cost
     no registers); each partial is read exactly once (evict_first)."""
     offs_r = tl.arange(0, BLOCK_T * BLOCK_HP)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_HP
     hh = offs_r % BLOCK_HP
-    g = tl.program_id(1)
     ok = (t < C) & (hh < HPG)
-    h = g * HPG + hh
-    nv = tl.load(NV + g * C + t, mask=ok, other=0)
+    h = grp * HPG + hh
+    nv = tl.load(NV + grp * C + t, mask=ok, other=0)
     t64 = t.to(tl.int64)
-    ibase = (g.to(tl.int64) * C + t64) * KS  # (g, t, slot 0) in INV [G, C, KS]
+    ibase = (grp * C + t64) * KS  # (grp, t, slot 0) in INV [G, C, KS]
+    e0 = tl.load(GRP_ENT + grp).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     acc = tl.zeros([BLOCK_T * BLOCK_HP, BLOCK_D], tl.float32)
     for s in tl.range(0, KS, 2, num_stages=NUM_STAGES):
         ok0 = ok & (s < nv)
         ok1 = ok & (s + 1 < nv)  # nv <= KS, so an odd KS never reads slot KS
-        r0 = tl.load(INV + ibase + s, mask=ok0, other=0).to(tl.int64) * HPG + hh
-        r1 = tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) * HPG + hh
+        r0 = (tl.load(INV + ibase + s, mask=ok0, other=0).to(tl.int64) - e0) * HPG + hh
+        r1 = (tl.load(INV + ibase + s + 1, mask=ok1, other=0).to(tl.int64) - e0) * HPG + hh
         x0 = tl.load(P + r0[:, None] * D + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0, eviction_policy="evict_first")
         x1 = tl.load(P + r1[:, None] * D + offs_d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0, eviction_policy="evict_first")
         acc += x0.to(tl.float32) + x1.to(tl.float32)
@@ -528,20 +570,20 @@ def _sa_bwd_pre_kernel(
     tl.store(DELTA + n * HQ + h, delta, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["grp", "max_items"])
 def _sa_bwd_kernel(
     Q, K, V, DO, LSE2, DELTA, DQP, DKA, DVA,
-    ENT_Q, IT_KEY, IT_START, IT_COUNT,
-    N, n0, qk_scale, sm_scale,
+    ENT_Q, IT_KEY, IT_START, IT_COUNT, GRP_ENT, GRP_ITEM,
+    N, n0, qk_scale, sm_scale, grp, max_items,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, BS: tl.constexpr,
     HPG: tl.constexpr, Q_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     # (Deferring each dQ store by one sub-tile does not take it past a proxy fence: this loop
-    # has four, one per MMA with an operand written to shared memory in the loop.)
-    pid = tl.program_id(0)
-    count = tl.load(IT_COUNT + pid)
+    # has four, one per MMA with an operand written to shared memory in the loop.)  Items and
+    # dq partials of group grp only, as in the forward.
+    pid, count, e0 = _group_item(IT_COUNT, GRP_ENT, GRP_ITEM, grp, max_items)
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
         if count == 0:
             return
@@ -594,7 +636,7 @@ def _sa_bwd_kernel(
         dsT = (pT * (dpT - dl[None, :])).to(qb.dtype)
         dk += _mm(dsT, qb, PREC, UPCAST)
         dqb = _mm(tl.trans(dsT), kb, PREC, UPCAST) * sm_scale  # [BLOCK_M, BLOCK_D]
-        prow = (start + sub) * HPG + offs_m  # entry-major, as in the forward
+        prow = (start - e0 + sub) * HPG + offs_m  # entry-major within the group, as in the forward
         tl.store(DQP + prow[:, None] * D + offs_d[None, :], dqb.to(DQP.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     dst = kv_row[:, None] + offs_d[None, :]
     tl.atomic_add(DKA + dst, dk * sm_scale, mask=kv_mask, sem="relaxed")
@@ -638,16 +680,86 @@ def _tile(cfg: KernelConfig, geo: _Geom) -> tuple[int, int, int, int, int]:
     return q_tile, bm, bn, bd, item_q
 
 
+def chunk_rows_for(budget: int, *, tokens: int, heads: int, groups: int, head_dim: int, topk: int,
+                   elt_bytes: int, lse_bytes: int = 0) -> int:
+    """Query rows per chunk that the launchers take for a budget of `budget` bytes (CHUNK_BYTES
+    for the forward: elt_bytes = q's element size, lse_bytes = 4; BWD_CHUNK_BYTES for the
+    backward: elt_bytes = the dq partials' element size, lse_bytes = 0).
+
+    A row costs the partials of ONE KV group (the launchers run the groups one after another
+    over one buffer): topk slots x heads/groups heads x (head_dim * elt_bytes + lse_bytes),
+    plus its share of the chunk's work list, 48 B per (group, slot) entry.  Below `tokens`, the
+    rows are a multiple of 256, balanced over the chunks they give (no short last chunk).
+    """
+    for name, x in (("tokens", tokens), ("heads", heads), ("groups", groups), ("head_dim", head_dim), ("topk", topk),
+                    ("elt_bytes", elt_bytes)):
+        if not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name} must be a positive int, got {x!r}")
+    if heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
+    if not isinstance(lse_bytes, int) or lse_bytes < 0:
+        raise ValueError(f"lse_bytes must be an int >= 0, got {lse_bytes!r}")
+    per_row = topk * (heads // groups) * (head_dim * elt_bytes + lse_bytes) + groups * topk * 48
+    rows = max(1, int(budget) // per_row)
+    if rows >= tokens:
+        return tokens
+    if rows > 256:
+        rows = rows // 256 * 256
+    per = -(-tokens // -(-tokens // rows))  # the same number of chunks, balanced
+    if rows >= 256:
+        per = -(-per // 256) * 256  # <= rows: rows is a multiple of 256
+    return per
+
+
 def _chunk_rows(geo: _Geom, elt_bytes: int, lse_bytes: int, chunk_rows: int | None, budget: int) -> int:
     if chunk_rows is None:
-        per_row = geo.KS * geo.Hq * (geo.D * elt_bytes + lse_bytes) + geo.G * geo.KS * 48
-        chunk_rows = max(1, budget // per_row)
-        if chunk_rows < geo.N and chunk_rows > 256:
-            chunk_rows = chunk_rows // 256 * 256
+        chunk_rows = chunk_rows_for(budget, tokens=geo.N, heads=geo.Hq, groups=geo.G, head_dim=geo.D, topk=geo.KS,
+                                    elt_bytes=elt_bytes, lse_bytes=lse_bytes)
     return max(1, min(geo.N, int(chunk_rows)))
 
 
+def _entries_before(n: int, T: int, KS: int, bs: int) -> int:
+    """sum over flat rows m < n of min(KS, (m % T) // bs + 1): the most valid slots of one group
+    in those rows (rows of B documents of length T; a row at position p selects at most the
+    p // bs + 1 blocks up to its own)."""
+
+    def doc(p: int) -> int:  # positions 0 .. p-1 of one document
+        x = min(p, (KS - 1) * bs)  # below x a row has < KS blocks: pos // bs + 1 of them
+        qb, r = divmod(x, bs)
+        return bs * qb * (qb + 1) // 2 + r * (qb + 1) + KS * (p - x)
+
+    if KS < 1 or n <= 0:
+        return 0
+    return (n // T) * doc(T) + doc(n % T)
+
+
+def _entry_bound(n0: int, c: int, geo: _Geom, cu_seqlens: torch.Tensor | None) -> int:
+    """Host-side bound on one group's valid entries (valid (row, slot) pairs) in rows n0 ..
+    n0+c-1: exact for a full selection without cu_seqlens, c * KS with them."""
+    if cu_seqlens is not None:
+        return c * geo.KS
+    return _entries_before(n0 + c, geo.T, geo.KS, geo.bs) - _entries_before(n0, geo.T, geo.KS, geo.bs)
+
+
+def _group_grid(entries: int, item_q: int, geo: _Geom) -> int:
+    """Programs of one group's launch: a bound on its items given a bound on its entries (a key
+    of e entries makes ceil(e / item_q) <= e / item_q + 1 items; a group has at most
+    nkeys_bound / G keys, each with an entry)."""
+    return max(1, triton.cdiv(entries, item_q) + min(entries, geo.nkeys_bound // geo.G))
+
+
+def _partial_buffers(entries: int, geo: _Geom, dtype: torch.dtype, with_lse: bool, device, poison: bool) -> list[torch.Tensor]:
+    """One group's partial buffers for `entries` entries, entry-major: [entries * HPG, D] of
+    dtype, and with_lse: fp32 [entries * HPG]; NaN-filled when poison."""
+    rows = max(1, entries) * geo.hpg
+    shapes = [((rows, geo.D), dtype)] + ([((rows,), torch.float32)] if with_lse else [])
+    if poison:
+        return [torch.full(sh, float("nan"), dtype=dt, device=device) for sh, dt in shapes]
+    return [torch.empty(sh, dtype=dt, device=device) for sh, dt in shapes]
+
+
 def _reduce_tile(Hq: int, D: int) -> tuple[int, int, int]:
+    """(rows, heads, dims) of a merge / prologue program over Hq heads."""
     bd = max(16, _next_pow2(D))
     bh = min(_next_pow2(Hq), 16)
     bt = max(1, (64 if not _interpret() else 256) // bh)  # the interpreter pays per op, not per element
@@ -695,28 +807,35 @@ def _items(sel, n0: int, c: int, geo: _Geom, cu_seqlens, block_size: int, item_q
     return _build_items(rows, doc_start, pos, n0, geo.N, block_size, item_q, geo.nkeys_bound)
 
 
-def _fwd_merge(P, LP, it: _Items, OUT, LSE, n0: int, c: int, geo: _Geom) -> None:
-    """OUT and LSE of rows n0 .. n0+c-1 from the chunk's partials (`_sa_fwd_merge_kernel`)."""
-    rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
-    _sa_fwd_merge_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.Hq, rbh))](
-        P, LP, it.nvalid, it.inv, OUT, LSE,
-        n0, c, geo.T,
+def _fwd_merge(P, LP, it: _Items, OUT, LSE, n0: int, c: int, geo: _Geom, g: int) -> None:
+    """OUT and LSE of rows n0 .. n0+c-1, heads of group g, from that group's partials
+    (`_sa_fwd_merge_kernel`)."""
+    rbt, rbh, rbd = _reduce_tile(geo.hpg, geo.D)
+    _sa_fwd_merge_kernel[(triton.cdiv(c, rbt), triton.cdiv(geo.hpg, rbh))](
+        P, LP, it.nvalid, it.inv, it.grp_ent, OUT, LSE,
+        n0, c, geo.T, g,
         HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg,
         BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=REDUCE_WARPS, num_stages=1,
     )
 
 
-def _dq_reduce(P, it: _Items, OUT, n0: int, c: int, geo: _Geom) -> None:
-    """dq of rows n0 .. n0+c-1 from the chunk's per-slot partials (`_sa_dq_reduce_kernel`)."""
+def _dq_reduce(P, it: _Items, OUT, n0: int, c: int, geo: _Geom, g: int) -> None:
+    """dq of rows n0 .. n0+c-1, heads of group g, from that group's per-slot partials
+    (`_sa_dq_reduce_kernel`)."""
     bhp = _next_pow2(geo.hpg)
     bt = max(1, 16 // bhp)  # ~16 (row, head) pairs per program
-    _sa_dq_reduce_kernel[(triton.cdiv(c, bt), geo.G)](
-        P, it.nvalid, it.inv, OUT,
-        n0, c,
+    _sa_dq_reduce_kernel[(triton.cdiv(c, bt), 1)](
+        P, it.nvalid, it.inv, it.grp_ent, OUT,
+        n0, c, g,
         HQ=geo.Hq, D=geo.D, KS=geo.KS, HPG=geo.hpg,
         BLOCK_T=bt, BLOCK_HP=bhp, BLOCK_D=max(16, _next_pow2(geo.D)),
         NUM_STAGES=DQ_REDUCE_STAGES, num_warps=DQ_REDUCE_WARPS, num_stages=DQ_REDUCE_STAGES,
     )
+
+
+def _chunks(geo: _Geom, C: int, cu_seqlens) -> list[tuple[int, int, int]]:
+    """(first row, rows, bound on one group's valid entries) of each query chunk."""
+    return [(n0, min(C, geo.N - n0), _entry_bound(n0, min(C, geo.N - n0), geo, cu_seqlens)) for n0 in range(0, geo.N, C)]
 
 
 def sparse_attention_fwd_triton(
@@ -750,29 +869,32 @@ def sparse_attention_fwd_triton(
     assert o.is_contiguous() and lse.is_contiguous()
     pdt = q.dtype
     C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, CHUNK_BYTES)
-    shape_p = (C, geo.KS, geo.Hq, geo.D)
-    if poison:
-        OP = torch.full(shape_p, float("nan"), dtype=pdt, device=q.device)
-        LP = torch.full(shape_p[:3], float("nan"), dtype=torch.float32, device=q.device)
-    else:
-        OP = torch.empty(shape_p, dtype=pdt, device=q.device)
-        LP = torch.empty(shape_p[:3], dtype=torch.float32, device=q.device)
+    chunks = _chunks(geo, C, cu_seqlens)
     sel = _selection_rows(block_idx, geo)
     qk_scale = float(scale) * 1.4426950408889634
     prec, upcast = _prec(qf.dtype)
+    bufs = it = None
     with _DeviceGuard(q):
-        for n0 in range(0, geo.N, C):
-            c = min(C, geo.N - n0)
+        for n0, c, ent in chunks:
+            it = None  # the previous chunk's work list goes before the next one is built
             it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, q.device)
-            _sa_fwd_kernel[(it.max_items,)](
-                qf, kf, vf, OP, LP,
-                it.ent_q, it.it_key, it.it_start, it.it_count,
-                geo.N, n0, qk_scale,
-                HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=q_tile,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-            _fwd_merge(OP, LP, it, o, lse, n0, c, geo)
+            if bufs is None:  # allocated after the first work list: its sort's temporaries are freed
+                bufs = _partial_buffers(max(e for _, _, e in chunks), geo, pdt, True, q.device, poison)
+            OP, LP = bufs
+            grid = (_group_grid(ent, item_q, geo),)
+            for g in range(geo.G):  # one group's items, partials and merge at a time
+                if poison and (g or n0):  # no slot of another group or chunk may be read
+                    OP.fill_(float("nan"))
+                    LP.fill_(float("nan"))
+                _sa_fwd_kernel[grid](
+                    qf, kf, vf, OP, LP,
+                    it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
+                    geo.N, n0, qk_scale, g, it.max_items,
+                    HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=q_tile,
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )
+                _fwd_merge(OP, LP, it, o, lse, n0, c, geo, g)
     return o, lse
 
 
@@ -816,12 +938,12 @@ def sparse_attention_bwd_triton(
     dva = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
     pdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     C = _chunk_rows(geo, pdt.itemsize, 0, chunk_rows, BWD_CHUNK_BYTES)
-    shape_p = (C, geo.KS, geo.Hq, geo.D)
-    DQP = torch.full(shape_p, float("nan"), dtype=pdt, device=dev) if poison else torch.empty(shape_p, dtype=pdt, device=dev)
+    chunks = _chunks(geo, C, cu_seqlens)
     sel = _selection_rows(block_idx, geo)
     prec, upcast = _prec(q.dtype)
     rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
     dlse_f = dlse.contiguous().float() if dlse is not None else lse2  # dummy pointer when absent
+    DQP = it = None
     with _DeviceGuard(q):
         _sa_bwd_pre_kernel[(triton.cdiv(geo.N, rbt), triton.cdiv(geo.Hq, rbh))](
             of, dof, lsef, dlse_f, lse2, delta,
@@ -829,18 +951,24 @@ def sparse_attention_bwd_triton(
             HQ=geo.Hq, D=geo.D, HAS_DLSE=dlse is not None,
             BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=4,
         )
-        for n0 in range(0, geo.N, C):
-            c = min(C, geo.N - n0)
+        for n0, c, ent in chunks:
+            it = None  # as in the forward: one work list at a time, dq partials after the first
             it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, dev)
-            _sa_bwd_kernel[(it.max_items,)](
-                qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
-                it.ent_q, it.it_key, it.it_start, it.it_count,
-                geo.N, n0, float(scale) * 1.4426950408889634, float(scale),
-                HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-            _dq_reduce(DQP, it, dq, n0, c, geo)
+            if DQP is None:
+                (DQP,) = _partial_buffers(max(e for _, _, e in chunks), geo, pdt, False, dev, poison)
+            grid = (_group_grid(ent, item_q, geo),)
+            for g in range(geo.G):
+                if poison and (g or n0):
+                    DQP.fill_(float("nan"))
+                _sa_bwd_kernel[grid](
+                    qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
+                    it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
+                    geo.N, n0, float(scale) * 1.4426950408889634, float(scale), g, it.max_items,
+                    HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )
+                _dq_reduce(DQP, it, dq, n0, c, geo, g)
     dk = dka.view(k.shape).to(k.dtype)
     dv = dva.view(v.shape).to(v.dtype)
     if dk_out is not None:
