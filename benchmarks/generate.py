@@ -22,6 +22,8 @@ tokens (the difference over 32 steps: prefill cancels), with the CUDA-graph step
 --compile: the CUDA-graphed step uncompiled ("eager") against the CUDA-graphed step under
 torch.compile (`generate(..., compile=True)`: inductor fuses the step's elementwise work, msakit
 captures the compiled step) in the same run: ms per token and tokens/s of each (as above), the
+step's own milliseconds (`step_time`: 64 steps of the pooled decoder timed between two syncs,
+median of 5; the headline, since the two-call difference carries the calls' prefill variance), the
 first call's seconds (compilation and capture), and the kernels of one step of each by kind
 (torch.profiler over 16 replayed steps of the pooled decoder, prefill outside the profile).
 --inductor KEY=VALUE (repeatable, with --compile): an inductor option for the compiled step on
@@ -39,6 +41,7 @@ import argparse
 import inspect
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -151,10 +154,35 @@ def step_profile(model, ids, max_len: int, compile: bool, steps: int = 16) -> di
             "warnings": sorted({str(w.message)[:200] for w in caught}), **reasons}
 
 
+def step_time(model, ids, max_len: int, compile: bool, steps: int = 64, reps: int = 5) -> dict:
+    """Milliseconds of one decode step in steady state, timed directly: the pooled decoder
+    `generate` used for this shape, its prompt prefilled and 3 steps run, then `steps` greedy
+    steps (`dec.step`: graph replay, argmax, the host's bookkeeping) between two device syncs,
+    median of `reps`.  Unlike the two-call difference of `speed_row`, no prefill or per-call
+    cost enters (their variance, a few ms per call, does not divide into the step)."""
+    from msakit.generate import decoder_for
+
+    ts = []
+    with torch.no_grad(), decoder_for(model, ids.shape[0], max_len, cuda_graph=True, compile=compile) as dec:
+        logits = dec.prefill(ids)
+        for _ in range(3):
+            logits = dec.step(logits.argmax(-1, keepdim=True))
+        for _ in range(reps):
+            # restart from the prompt so that every repetition decodes the same positions
+            logits = dec.prefill(ids)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                logits = dec.step(logits.argmax(-1, keepdim=True))
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) * 1e3 / steps)
+    ts.sort()
+    return {"step_ms": ts[len(ts) // 2], "step_ms_min": ts[0], "step_ms_max": ts[-1], "steps": steps, "reps": reps}
+
+
 def compile_row(model, ids, ctx: int, new: int, batch: int, reps: int) -> dict:
     """The graphed step uncompiled and compiled (`compile=True`) on one model: speed rows, first
     call seconds, kernels per step."""
-    import time
 
     row: dict = {"context": ctx, "batch": batch, "new_tokens": new, "params": sum(p.numel() for p in model.parameters()),
                  "first_call_s": {}, "profile": {}}
@@ -167,13 +195,15 @@ def compile_row(model, ids, ctx: int, new: int, batch: int, reps: int) -> dict:
             torch.cuda.synchronize()
             row["first_call_s"][name] = round(time.perf_counter() - t0, 2)
             row[name] = speed_row(gen, ctx, new, batch, reps)
+            row[name].update(step_time(model, ids, ctx + 2 * new, comp))
             row["profile"][name] = step_profile(model, ids, ctx + 2 * new, comp)
         except Exception as e:  # report the variant and go on
             row[name] = {"error": repr(e)[:500]}
             print(f"ctx {ctx} {name}: {e!r}", flush=True)
             continue
         r, p = row[name], row["profile"][name]
-        print(f"ctx {ctx:7d} B={batch} {name:8s}: {r['ms_per_token']:.3f} ms/token ({r['tok_s']:7.1f} tok/s steady, "
+        print(f"ctx {ctx:7d} B={batch} {name:8s}: step {r['step_ms']:.3f} ms (replayed), {r['ms_per_token']:.3f} "
+              f"ms/token ({r['tok_s']:7.1f} tok/s steady, "
               f"{r['tok_s_per_call']:7.1f} per call), first call {row['first_call_s'][name]:.1f} s", flush=True)
         print_profile(ctx, name, p)
         for k in ("graph_disabled_reason", "compile_disabled_reason"):
@@ -182,6 +212,8 @@ def compile_row(model, ids, ctx: int, new: int, batch: int, reps: int) -> dict:
     e, c = row.get("eager", {}), row.get("compiled", {})
     if "ms_per_token" in e and "ms_per_token" in c:
         row["speedup"] = e["ms_per_token"] / c["ms_per_token"]
+    if "step_ms" in e and "step_ms" in c:
+        row["step_speedup"] = e["step_ms"] / c["step_ms"]
     return row
 
 
@@ -261,10 +293,11 @@ def main(argv=None) -> None:
             save_json(f"generate_{gpu_tag(info)}{args.tag}.json", {"env": info, "preset": "small", "mode": "sparse",
                       "dtype": "bf16", "compare": "compile", "inductor_options": inductor, "rows": rows}, args.out)
         flat = [{"context": r["context"], "batch": r["batch"], **{f"{n}_{k}": r.get(n, {}).get(k, float("nan"))
-                 for n in ("eager", "compiled") for k in ("ms_per_token", "tok_s")},
+                 for n in ("eager", "compiled") for k in ("step_ms", "ms_per_token", "tok_s")},
                  **{f"{n}_kernels": r["profile"].get(n, {}).get("kernels_per_step", float("nan"))
                     for n in ("eager", "compiled")}} for r in rows]
-        print_rows(flat, [("context", "context", "d"), ("B", "batch", "d"), ("eager ms/tok", "eager_ms_per_token", ".3f"),
+        print_rows(flat, [("context", "context", "d"), ("B", "batch", "d"), ("eager step ms", "eager_step_ms", ".3f"),
+                          ("compiled step ms", "compiled_step_ms", ".3f"), ("eager ms/tok", "eager_ms_per_token", ".3f"),
                           ("compiled ms/tok", "compiled_ms_per_token", ".3f"), ("eager tok/s", "eager_tok_s", ".1f"),
                           ("compiled tok/s", "compiled_tok_s", ".1f"), ("eager kernels", "eager_kernels", ".1f"),
                           ("compiled kernels", "compiled_kernels", ".1f")], lead=("context", "batch"))

@@ -166,8 +166,9 @@ BASELINES: list[tuple] = [
     ("generate", "ctx 128K tok/s (per call)", R11G, ("generate", {"context": 131072}, "paged_tok_s"),
      ("rows", {"context": 131072}, "tok_s_per_call"), True),
     ("generate", "ctx 128K tok/s (steady)", None, None, ("rows", {"context": 131072}, "tok_s"), True),
-    *[("generate_compile", f"ctx {_ctx(T)} {v} ms/token", None, None, ("rows", {"context": T}, v, "ms_per_token"),
-       False) for T in (4096, 32768, 131072) for v in ("eager", "compiled")],
+    *[("generate_compile", f"ctx {_ctx(T)} {v} {what}", None, None, ("rows", {"context": T}, v, key),
+       False) for T in (4096, 32768, 131072) for v in ("eager", "compiled")
+      for what, key in (("step ms (replayed)", "step_ms"), ("ms/token", "ms_per_token"))],
     *[("train_speed", f"ctx {_ctx(T)} {m} tok/s", R19T, ("rows", {"context": T, "mode": m}, "tok_s"), None, True)
       for T in (8192, 32768) for m in ("dense", "sparse")],
     *[x for T in (8192, 32768) for m in ("dense", "sparse") for x in (
