@@ -68,7 +68,7 @@ class Claim:
 
 
 CLAIMS: dict[str, Claim] = {
-    # forward 16K / 128K / 1M and training step 16K / 128K, random and trained-like selections
+    # forward 16K / 128K / 1M (bf16 and fp8 scoring) and training step 16K / 128K, random and trained-like selections
     "prefill": Claim("prefill.py", budget_s=240, quick_budget_s=90, expect_s=130, quick_expect_s=45),
     # msa_decode at 16K / 128K / 1M, B 1 and 8, bf16 and fp8 index keys (+ read-flush timings at B 1)
     "decode": Claim("decode.py", ("--read-flush",), budget_s=180, quick_budget_s=75, expect_s=80, quick_expect_s=30),
@@ -116,7 +116,7 @@ Path_ = tuple[Any, ...]
 R12P, R12D, R17 = "prefill_NVIDIA_H200_run12.json", "decode_NVIDIA_H200_run12.json", "spec_NVIDIA_H200_run17.json"
 R11G, R11C = "decode_NVIDIA_H200_run11gen.json", "generate_graph_check_NVIDIA_H200_run11.json"
 R19T = "train_speed_NVIDIA_H200_run19.json"
-ROW_DEFAULTS = {"kind": "random"}
+ROW_DEFAULTS = {"kind": "random", "score": "bf16"}
 
 
 def _ctx(T: int) -> str:
@@ -126,7 +126,7 @@ def _ctx(T: int) -> str:
 def _prefill_baselines() -> list[tuple]:
     out = []
     for T in (16384, 131072, 1048576):
-        sel = {"T": T, "kind": "random"}
+        sel = {"T": T, "kind": "random", "score": "bf16"}
         out += [("prefill", f"fwd {_ctx(T)} msa ms", R12P, ("forward", sel, "msa_fwd_ms"), None, False),
                 ("prefill", f"fwd {_ctx(T)} speedup vs cuDNN", R12P, ("forward", sel, "speedup_fwd"), None, True),
                 ("prefill", f"fwd {_ctx(T)} sparse attn TFLOP/s", R12P, ("forward", sel, "sparse_attn_tflops"),
@@ -134,7 +134,11 @@ def _prefill_baselines() -> list[tuple]:
                 ("prefill", f"fwd {_ctx(T)} trained-like msa ms", None, None,
                  ("forward", {"T": T, "kind": "trained-like"}, "msa_fwd_ms"), False),
                 ("prefill", f"fwd {_ctx(T)} trained-like attn TFLOP/s", None, None,
-                 ("forward", {"T": T, "kind": "trained-like"}, "sparse_attn_tflops"), True)]
+                 ("forward", {"T": T, "kind": "trained-like"}, "sparse_attn_tflops"), True),
+                ("prefill", f"fwd {_ctx(T)} fp8 scoring speedup", None, None,
+                 ("forward", {"T": T, "score": "fp8"}, "speedup_fwd"), True),
+                ("prefill", f"fwd {_ctx(T)} fp8 recall vs bf16", None, None,
+                 ("forward", {"T": T, "score": "fp8"}, "recall_vs_bf16"), True)]
     for T in (16384, 131072):
         sel = {"T": T, "kind": "random"}
         out += [("prefill", f"train {_ctx(T)} msa ms", R12P, ("train", sel, "msa_train_ms"), None, False),

@@ -9,6 +9,9 @@ Selection kinds (`--kinds`):
   dumped       a selection dumped from a trained model's indexer (`--selection-file`, at its own T;
                `python benchmarks/selections.py --model DIR --context T --out sel.pt` writes one: a
                model with this benchmark's selection, blocks of 128 and top-16)
+Score dtypes (`--scores`): "bf16" rows score the index in bf16 (every kind); an "fp8" row
+(kind random) runs `ops.msa_attention(score_dtype="fp8")` end to end and reports its selection's
+recall against the bf16 selection (the trained-like and dumped kinds do not depend on scoring).
 Every kind runs the same work: index_topk is computed (and timed) in each forward / training
 step; the trained-like and dumped kinds then attend (and train the KL) on their own selection.
 The dense baseline is measured once per context in the same run.
@@ -85,6 +88,43 @@ def msa_train_step(q, k, v, qi, ki, do, bi=None) -> None:
     ((o.float() * do).sum() + kl).backward()
 
 
+def recall_vs(sel: torch.Tensor, ref: torch.Tensor, rows: int = 1 << 16) -> float:
+    """Mean over (batch, group, query) rows of |sel ∩ ref| / |ref| (valid, >= 0 entries), two
+    [B, G, T, topk] selections; computed over chunks of `rows` queries."""
+    hit = tot = 0
+    for t0 in range(0, sel.shape[2], rows):
+        a, b = sel[:, :, t0:t0 + rows].long(), ref[:, :, t0:t0 + rows].long()
+        valid = b >= 0
+        inter = ((b.unsqueeze(-1) == a.unsqueeze(-2)) & (a >= 0).unsqueeze(-2)).any(-1) & valid
+        hit += int(inter.sum())
+        tot += int(valid.sum())
+    return hit / max(tot, 1)
+
+
+def fp8_row(T: int, q, k, v, qi, ki, dense: float, *, max_s: float) -> dict:
+    """The forward row of `msa_attention(score_dtype="fp8")` on random inputs: times, speedup,
+    peak extra memory and the recall of its selection against bf16 scoring."""
+    row: dict = {"T": T, "kind": "random", "score": "fp8", "dense_ms": dense}
+
+    def fwd():
+        return ops.msa_attention(q, k, v, qi, ki, block_size=BS, topk=TOPK, score_dtype="fp8")
+
+    row["index_topk_ms"] = bench_ms(lambda: ops.index_topk(qi, ki, block_size=BS, topk=TOPK, score_dtype="fp8"),
+                                    max_s=max_s)
+    sel8 = ops.index_topk(qi, ki, block_size=BS, topk=TOPK, score_dtype="fp8")
+    sel16 = ops.index_topk(qi, ki, block_size=BS, topk=TOPK)
+    row["recall_vs_bf16"] = recall_vs(sel8, sel16)
+    row["same_set_frac"] = float((sel8.sort(-1).values == sel16.sort(-1).values).all(-1).float().mean())
+    row.update(selection_stats(sel8, BS))
+    del sel8, sel16
+    torch.cuda.empty_cache()
+    row["peak_extra_GiB"] = peak_extra_gib(fwd, q.numel() * q.element_size())
+    row["msa_fwd_ms"] = bench_ms(fwd, max_s=max_s)
+    row["speedup_fwd"] = dense / row["msa_fwd_ms"]
+    row["index_tflops"] = flops_index(T) / row["index_topk_ms"] / 1e9
+    return row
+
+
 def selection_for(kind: str, T: int, qi, ki, selection_file: str | None):
     """block_idx [1, G, T, TOPK] of a kind at context T (None for "random": index_topk's own)."""
     if kind == "random":
@@ -119,7 +159,8 @@ def peak_extra_gib(fn, keep_bytes: int = 0) -> float:
     return (peak - base - keep_bytes) / 2**30
 
 
-def run_forward(T: int, kinds: list[str], selection_file: str | None, *, check: bool, max_s: float) -> list[dict]:
+def run_forward(T: int, kinds: list[str], selection_file: str | None, *, check: bool, max_s: float,
+                scores: tuple[str, ...] = ("bf16",)) -> list[dict]:
     q, k, v, qi, ki = inputs(T)
     torch.cuda.synchronize()
     dense = bench_ms(dense_cudnn(q, k, v), max_s=2 * max_s)  # the baseline of every speedup: more repetitions
@@ -127,7 +168,7 @@ def run_forward(T: int, kinds: list[str], selection_file: str | None, *, check: 
     topk_ms = bench_ms(lambda: ops.index_topk(qi, ki, block_size=BS, topk=TOPK), max_s=max_s)
     rows = []
     for kind in kinds:
-        row: dict = {"T": T, "kind": kind, "dense_ms": dense, "index_topk_ms": topk_ms}
+        row: dict = {"T": T, "kind": kind, "score": "bf16", "dense_ms": dense, "index_topk_ms": topk_ms}
         try:  # a kind that fails (memory, a kernel limit) is reported and the others still run
             bi = selection_for(kind, T, qi, ki, selection_file)
             sel = ops.index_topk(qi, ki, block_size=BS, topk=TOPK) if bi is None else bi
@@ -146,6 +187,14 @@ def run_forward(T: int, kinds: list[str], selection_file: str | None, *, check: 
             del sel, bi
         except Exception as e:
             row["error"] = repr(e)[:500]
+        rows.append(row)
+        print({a: round(b, 3) if isinstance(b, float) else b for a, b in row.items()}, flush=True)
+        torch.cuda.empty_cache()
+    if "fp8" in scores:
+        try:
+            row = fp8_row(T, q, k, v, qi, ki, dense, max_s=max_s)
+        except Exception as e:
+            row = {"T": T, "kind": "random", "score": "fp8", "error": repr(e)[:500]}
         rows.append(row)
         print({a: round(b, 3) if isinstance(b, float) else b for a, b in row.items()}, flush=True)
         torch.cuda.empty_cache()
@@ -226,9 +275,12 @@ def plot(rows: list[dict], train_rows: list[dict], path: Path) -> None:
     rows = [r for r in rows if "error" not in r]
     train_rows = [r for r in train_rows if "error" not in r]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        fr = [r for r in rows if r["kind"] == kind]
-        ax.plot([r["T"] for r in fr], [r["speedup_fwd"] for r in fr], "o-", label=f"forward, {kind}")
+    for kind, score in dict.fromkeys((r["kind"], r.get("score", "bf16")) for r in rows):
+        fr = [r for r in rows if r["kind"] == kind and r.get("score", "bf16") == score]
+        name = kind if score == "bf16" else f"{kind}, {score} scoring"
+        ax.plot([r["T"] for r in fr], [r["speedup_fwd"] for r in fr], "o-", label=f"forward, {name}")
+        if score != "bf16":
+            continue
         tr = [r for r in train_rows if r["kind"] == kind and r.get("speedup_train") is not None]
         if tr:
             ax.plot([r["T"] for r in tr], [r["speedup_train"] for r in tr], "s--", label=f"training step, {kind}")
@@ -245,14 +297,16 @@ def plot(rows: list[dict], train_rows: list[dict], path: Path) -> None:
 
 
 def print_table(rows: list[dict], train_rows: list[dict]) -> None:
-    print(f"\n{'T':>9} {'kind':>12} {'dense ms':>10} {'msa ms':>9} {'speedup':>8} {'idx TF/s':>9} {'attn TF/s':>9} "
+    print(f"\n{'T':>9} {'kind':>12} {'score':>5} {'dense ms':>10} {'msa ms':>9} {'speedup':>8} {'idx TF/s':>9} {'attn TF/s':>9} "
           f"{'extra GiB':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['T']:>9} {r['kind']:>12} error: {r['error'][:80]}")
             continue
-        print(f"{r['T']:>9} {r['kind']:>12} {r['dense_ms']:>10.2f} {r['msa_fwd_ms']:>9.2f} {r['speedup_fwd']:>8.2f} "
-              f"{r['index_tflops']:>9.1f} {r['sparse_attn_tflops']:>9.1f} {r['peak_extra_GiB']:>9.2f}")
+        attn = f"{r['sparse_attn_tflops']:>9.1f}" if "sparse_attn_tflops" in r else f"{'-':>9}"
+        rec = f"  recall vs bf16 {r['recall_vs_bf16']:.3f}" if "recall_vs_bf16" in r else ""
+        print(f"{r['T']:>9} {r['kind']:>12} {r.get('score', 'bf16'):>5} {r['dense_ms']:>10.2f} {r['msa_fwd_ms']:>9.2f} {r['speedup_fwd']:>8.2f} "
+              f"{r['index_tflops']:>9.1f} {attn} {r['peak_extra_GiB']:>9.2f}{rec}")
     for r in train_rows:
         if "error" in r:
             print(f"train {r['T']:>9} {r['kind']:>12} error: {r['error'][:80]}")
@@ -268,6 +322,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--T", type=int, nargs="*", default=[16384, 131072, 1048576])
     ap.add_argument("--train-T", type=int, nargs="*", default=[16384, 131072])
     ap.add_argument("--kinds", nargs="*", default=["random", "trained-like"], choices=KINDS)
+    ap.add_argument("--scores", nargs="*", default=["bf16", "fp8"], choices=("bf16", "fp8"),
+                    help="index scoring of the forward rows: bf16 (every kind), fp8 (msa_attention end to end, random)")
     ap.add_argument("--selection-file", default=None,
                     help="a dumped selection (torch / safetensors block_idx [1, G, T, 16]): adds the kind 'dumped' "
                          "at its own T")
@@ -345,11 +401,12 @@ def main(argv=None) -> None:
     info = env_info()
     rows, train_rows = [], []
     name = f"prefill_{gpu_tag(info)}{args.tag}.json"
-    payload = {"env": info, "shape": dict(Hq=HQ, G=G, D=D, Di=DI, block=BS, topk=TOPK, dtype="bf16", B=1),
+    payload = {"env": info, "scores": args.scores,
+               "shape": dict(Hq=HQ, G=G, D=D, Di=DI, block=BS, topk=TOPK, dtype="bf16", B=1),
                "kinds": args.kinds, "selection_file": args.selection_file, "forward": rows, "train": train_rows}
     for T in args.T:
         rows += run_forward(T, kinds_at(T, args.kinds, args.selection_file), args.selection_file,
-                            check=T in args.check, max_s=args.max_s)
+                            check=T in args.check, max_s=args.max_s, scores=tuple(args.scores))
         save_json(name, dict(payload, partial=True), args.out)  # kept if a later context runs out of time
     for T in args.train_T:
         train_rows += run_train(T, kinds_at(T, args.kinds, args.selection_file), args.selection_file, max_s=args.max_s,

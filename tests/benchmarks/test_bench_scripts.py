@@ -205,7 +205,8 @@ def test_prefill_main_at_toy_sizes_on_cpu(tmp_path, monkeypatch):
     ref = types.SimpleNamespace(
         index_topk=lambda *a, **k: ops.index_topk(*a, backend="reference", **k),
         sparse_attention=lambda *a, **k: ops.sparse_attention(*a, backend="reference", **k),
-        index_kl_loss=lambda *a, **k: ops.index_kl_loss(*a, backend="reference", **k))
+        index_kl_loss=lambda *a, **k: ops.index_kl_loss(*a, backend="reference", **k),
+        msa_attention=lambda *a, **k: ops.msa_attention(*a, backend="reference", **k))
 
     def host_ms(fn, **kw):
         t0 = time.perf_counter()
@@ -224,15 +225,27 @@ def test_prefill_main_at_toy_sizes_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
     prefill.main(["--T", "64", "96", "--train-T", "64", "--tag", "_t", "--out", str(tmp_path / "o")])
     data = json.loads((tmp_path / "o" / "prefill_cpu_t.json").read_text())
-    assert [(r["T"], r["kind"]) for r in data["forward"]] == [(64, "random"), (64, "trained-like"),
-                                                               (96, "random"), (96, "trained-like")]
+    assert [(r["T"], r["kind"], r["score"]) for r in data["forward"]] == [
+        (T, kind, score) for T in (64, 96) for kind, score in (("random", "bf16"), ("trained-like", "bf16"),
+                                                               ("random", "fp8"))]
     assert [(r["T"], r["kind"]) for r in data["train"]] == [(64, "random"), (64, "trained-like")]
     assert not any("error" in r for r in data["forward"] + data["train"]), data
     f64 = data["forward"][:2]
     assert all(r["max_row_rel_err"] == 0.0 for r in f64)  # the reference against itself
     assert "max_row_rel_err" not in data["forward"][2]  # checked at the smallest T only
-    assert all(r["speedup_fwd"] > 0 and r["sparse_attn_tflops"] > 0 for r in data["forward"])
+    assert all(r["speedup_fwd"] > 0 for r in data["forward"])
+    assert all(r["sparse_attn_tflops"] > 0 for r in data["forward"] if r["score"] == "bf16")
+    fp8 = [r for r in data["forward"] if r["score"] == "fp8"]
+    assert all(0.5 < r["recall_vs_bf16"] <= 1.0 and 0.0 <= r["same_set_frac"] <= 1.0 for r in fp8), fp8
     assert "partial" not in data and data["kinds"] == ["random", "trained-like"]
+
+
+def test_prefill_recall_counts_shared_valid_blocks():
+    ref = torch.tensor([[[[0, 1, 2, -1], [3, 4, 5, 6]]]])
+    sel = torch.tensor([[[[2, 1, 7, -1], [6, 5, 4, -1]]]])
+    # row 0: {0, 1, 2} against {1, 2, 7}: 2 of 3; row 1: {3, 4, 5, 6} against {4, 5, 6}: 3 of 4
+    assert prefill.recall_vs(sel, ref) == 5 / 7
+    assert prefill.recall_vs(ref, ref) == 1.0 and prefill.recall_vs(sel, ref, rows=1) == 5 / 7
 
 
 def test_train_speed_measure_on_cpu(monkeypatch):
