@@ -135,7 +135,8 @@ def step_profile(model, ids, max_len: int, compile: bool, steps: int = 16) -> di
 
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
-        with decoder_for(model, ids.shape[0], max_len, cuda_graph=True, compile=compile) as dec:
+        with decoder_for(model, ids.shape[0], max_len, cuda_graph=ids.is_cuda,
+                                            compile=compile) as dec:
             logits = dec.prefill(ids)
             for _ in range(3):
                 logits = dec.step(logits.argmax(-1, keepdim=True))
@@ -159,22 +160,26 @@ def step_time(model, ids, max_len: int, compile: bool, steps: int = 64, reps: in
     `generate` used for this shape, its prompt prefilled and 3 steps run, then `steps` greedy
     steps (`dec.step`: graph replay, argmax, the host's bookkeeping) between two device syncs,
     median of `reps`.  Unlike the two-call difference of `speed_row`, no prefill or per-call
-    cost enters (their variance, a few ms per call, does not divide into the step)."""
+    cost enters (their variance, a few ms per call, does not divide into the step).  On CPU (the
+    tests) the same loop runs without graphs."""
     from msakit.generate import decoder_for
 
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     ts = []
-    with torch.no_grad(), decoder_for(model, ids.shape[0], max_len, cuda_graph=True, compile=compile) as dec:
+    with torch.no_grad(), decoder_for(model, ids.shape[0], max_len, cuda_graph=ids.is_cuda,
+                                            compile=compile) as dec:
         logits = dec.prefill(ids)
         for _ in range(3):
             logits = dec.step(logits.argmax(-1, keepdim=True))
         for _ in range(reps):
-            # restart from the prompt so that every repetition decodes the same positions
+            # restart from the prompt (its pages freed) so that every repetition decodes the same positions
+            dec.reset()
             logits = dec.prefill(ids)
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             for _ in range(steps):
                 logits = dec.step(logits.argmax(-1, keepdim=True))
-            torch.cuda.synchronize()
+            sync()
             ts.append((time.perf_counter() - t0) * 1e3 / steps)
     ts.sort()
     return {"step_ms": ts[len(ts) // 2], "step_ms_min": ts[0], "step_ms_max": ts[-1], "steps": steps, "reps": reps}

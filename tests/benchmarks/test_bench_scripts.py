@@ -154,6 +154,20 @@ def test_generate_main_on_a_tiny_cpu_model(tmp_path, monkeypatch):
     assert data["env"]["tree_digest"] and "commit" in data["env"]
 
 
+def test_generate_step_time_repeats_within_the_pool():
+    """step_time restarts from the prompt each repetition: with a pool sized for one sequence of
+    max_len, five repetitions of 4 steps fit (they would run out of pages without the reset)."""
+    from msakit.models import M3Config, M3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = M3Config.preset("tiny", vocab_size=64, max_position_embeddings=256)
+    model = M3ForCausalLM(cfg).eval()
+    model.set_attention_mode("dense")
+    ids = torch.randint(0, 64, (1, 40))
+    r = generate.step_time(model, ids, 40 + 8, compile=False, steps=4, reps=5)
+    assert r["reps"] == 5 and 0 < r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"], r
+
+
 def test_decode_main_with_a_fake_bench(tmp_path, monkeypatch):
     """decode.py's driver logic (arguments, read-flush rows, JSON) over a stand-in for tools.bench.decode."""
     import json
