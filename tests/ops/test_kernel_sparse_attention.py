@@ -1,11 +1,8 @@
 """The KV-outer Triton sparse attention (forward and backward) against the reference, run on
-the CPU through the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported)."""
+the CPU through the Triton interpreter (TRITON_INTERPRET=1: `make test` sets it, and
+tests/conftest.py does without CUDA)."""
 
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
 

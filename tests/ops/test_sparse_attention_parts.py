@@ -5,11 +5,7 @@ whole forward / backward on NaN-poisoned buffers against the reference."""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import math  # noqa: E402
+import math
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -276,14 +276,20 @@ def test_cli_compile_flag():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels and bf16 autocast need CUDA")
 def test_cuda_compiled_steps_equal_eager():
-    """The real path: bf16 autocast, msakit's Triton kernels and torch._grouped_mm, inductor,
-    fullgraph; head dims of 32 and blocks of 16 (kernel tiles), T = 64 (4 blocks, top-2).
-    Eager rounds each op's output to bf16 where inductor's fused kernels keep fp32: a few bf16
-    ulps, 8 eps with margin (losses; gradients in relative norm)."""
+    """The real path: msakit's Triton kernels and the MoE's grouped matmuls, inductor, fullgraph;
+    head dims of 32 and blocks of 16 (kernel tiles), T = 64 (4 blocks, top-2), two SGD steps.
+
+    - float32: losses and gradients (relative norm) equal within fp32 reordering (fused kernels,
+      the padded bmm under compile against eager's grouped matmul).
+    - bf16 autocast: losses within 8 bf16 eps (eager rounds each op's output to bf16 where
+      inductor's fused kernels keep fp32).  Gradients are not compared there: those bf16 ulps
+      flip near-tied discrete choices of the toy model (an MoE top-k, a block of the index
+      top-k), and a flipped choice changes the gradients of whole weights (a router's by ~50%)."""
     Tc = 64
     dims = dict(head_dim=32, index_head_dim=32, rotary_dim=16, index_block_size=16, max_position_embeddings=Tc)
 
-    def steps(compiled: bool):
+    def steps(compiled: bool, dtype: torch.dtype):
+        torch._dynamo.reset()
         model = toy("msa", **dims).cuda()
         if compiled:
             compile_layers(model)
@@ -292,7 +298,7 @@ def test_cuda_compiled_steps_equal_eager():
         losses, grads = [], []
         for _ in range(2):
             ids = torch.randint(0, V, (B, Tc), generator=gen).cuda()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                 out = model(ids, labels=ids)
             (out.loss + out.kl).backward()
             losses.append((out.loss.item(), out.kl.item()))
@@ -301,20 +307,20 @@ def test_cuda_compiled_steps_equal_eager():
             opt.zero_grad(set_to_none=True)
         return losses, grads
 
-    eager, comp = steps(False), steps(True)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    tol = 8 * torch.finfo(torch.bfloat16).eps
-    bad = []  # every mismatch, so that one run shows them all
-    for step, ((lc, kc), (le, ke)) in enumerate(zip(comp[0], eager[0])):
-        if lc != pytest.approx(le, rel=tol) or kc != pytest.approx(ke, rel=tol, abs=tol):
-            bad.append(f"step {step}: loss {lc:.6g} / {le:.6g}, kl {kc:.6g} / {ke:.6g} (compiled / eager)")
-    # gradients norm-wise: an element that sums many bf16 terms with cancellation (an embedding
-    # row's occurrences) can differ by more than tol of the tensor's largest element
-    for step, (gc, ge) in enumerate(zip(comp[1], eager[1])):
-        if set(gc) != set(ge):
-            bad.append(f"step {step}: gradients of {sorted(set(gc) ^ set(ge))} exist in one run only")
-        for name in set(gc) & set(ge):
-            err = float((gc[name] - ge[name]).norm() / ge[name].norm().clamp_min(1e-30))
-            if not err <= tol:
-                bad.append(f"step {step}: {name}: relative error {err:.3g} > {tol:.3g}")
+    bad = []  # every mismatch of both precisions, so that one run shows them all
+    for dtype, tol, compare_grads in ((torch.float32, tolerance(torch.float32, 16384), True),
+                                      (torch.bfloat16, 8 * torch.finfo(torch.bfloat16).eps, False)):
+        eager, comp = steps(False, dtype), steps(True, dtype)
+        if counters["graph_break"]:
+            bad.append(f"{dtype}: graph breaks {dict(counters['graph_break'])}")
+        for step, ((lc, kc), (le, ke)) in enumerate(zip(comp[0], eager[0])):
+            if lc != pytest.approx(le, rel=tol) or kc != pytest.approx(ke, rel=tol, abs=tol):
+                bad.append(f"{dtype} step {step}: loss {lc:.7g} / {le:.7g}, kl {kc:.7g} / {ke:.7g} (compiled / eager)")
+        for step, (gc, ge) in enumerate(zip(comp[1], eager[1]) if compare_grads else ()):
+            if set(gc) != set(ge):
+                bad.append(f"{dtype} step {step}: gradients of {sorted(set(gc) ^ set(ge))} exist in one run only")
+            for name in set(gc) & set(ge):
+                err = float((gc[name] - ge[name]).norm() / ge[name].norm().clamp_min(1e-30))
+                if not err <= tol:
+                    bad.append(f"{dtype} step {step}: {name}: relative error {err:.3g} > {tol:.3g}")
     assert not bad, "\n".join(sorted(bad))
