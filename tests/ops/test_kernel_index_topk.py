@@ -384,7 +384,7 @@ def _nan_case():
     """Positive integer queries, integer keys; block 1's keys all NaN, token 40's key NaN, and
     (token 50, group 0)'s index query NaN.  Returns (q, k, the same with every NaN key replaced
     by a key that scores below every real one (-100s), the NaN block, the NaN query row)."""
-    q, k = int_inputs(1, 64, 2, 16, torch.float32, 1, 4, seed=3)
+    q, k = (t.cpu() for t in int_inputs(1, 64, 2, 16, torch.float32, 1, 4, seed=3))  # references on the CPU
     k = k - 2.0  # keys in [-1, 2]: scores of real keys >= -16 * 4
     bs, nan_block, nan_row = 16, 1, (50, 0)
     k_low = k.clone()
@@ -446,7 +446,7 @@ def test_nan_fp8_scoring_kernel_equals_reference():
     in the quantization kernel as in the reference; the selections are equal."""
     from msakit.ops.fp8 import quantize_fp8
 
-    q, k = int_inputs(1, 96, 2, 32, torch.float32, -7, 7, seed=8)
+    q, k = (t.cpu() for t in int_inputs(1, 96, 2, 32, torch.float32, -7, 7, seed=8))  # references on the CPU
     q[..., 0], k[..., 0] = 7.0, -7.0  # exact scales: the fp8 scores are exact
     k[0, 20, 5] = float("nan")  # one element: the whole token is out
     k[0, 32:48] = float("nan")  # block 2 (block_size 16) entirely
