@@ -135,8 +135,7 @@ def step_profile(model, ids, max_len: int, compile: bool, steps: int = 16) -> di
 
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
-        with decoder_for(model, ids.shape[0], max_len, cuda_graph=ids.is_cuda,
-                                            compile=compile) as dec:
+        with decoder_for(model, ids.shape[0], max_len, cuda_graph=ids.is_cuda, compile=compile) as dec:
             logits = dec.prefill(ids)
             for _ in range(3):
                 logits = dec.step(logits.argmax(-1, keepdim=True))
@@ -166,8 +165,7 @@ def step_time(model, ids, max_len: int, compile: bool, steps: int = 64, reps: in
 
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     ts = []
-    with torch.no_grad(), decoder_for(model, ids.shape[0], max_len, cuda_graph=ids.is_cuda,
-                                            compile=compile) as dec:
+    with torch.no_grad(), decoder_for(model, ids.shape[0], max_len, cuda_graph=ids.is_cuda, compile=compile) as dec:
         logits = dec.prefill(ids)
         for _ in range(3):
             logits = dec.step(logits.argmax(-1, keepdim=True))

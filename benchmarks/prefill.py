@@ -188,17 +188,21 @@ def run_forward(T: int, kinds: list[str], selection_file: str | None, *, check: 
         except Exception as e:
             row["error"] = repr(e)[:500]
         rows.append(row)
-        print({a: round(b, 3) if isinstance(b, float) else b for a, b in row.items()}, flush=True)
-        torch.cuda.empty_cache()
+        show(row)
     if "fp8" in scores:
         try:
             row = fp8_row(T, q, k, v, qi, ki, dense, max_s=max_s)
         except Exception as e:
             row = {"T": T, "kind": "random", "score": "fp8", "error": repr(e)[:500]}
         rows.append(row)
-        print({a: round(b, 3) if isinstance(b, float) else b for a, b in row.items()}, flush=True)
-        torch.cuda.empty_cache()
+        show(row)
     return rows
+
+
+def show(row: dict) -> None:
+    """Prints a finished row (floats rounded) and frees the cached blocks it left."""
+    print({a: round(b, 3) if isinstance(b, float) else b for a, b in row.items()}, flush=True)
+    torch.cuda.empty_cache()
 
 
 def run_train(T: int, kinds: list[str], selection_file: str | None, *, max_s: float,
@@ -231,10 +235,9 @@ def run_train(T: int, kinds: list[str], selection_file: str | None, *, max_s: fl
         except Exception as e:
             row["error"] = repr(e)[:500]
         rows.append(row)
-        print({a: round(b, 3) if isinstance(b, float) else b for a, b in row.items()}, flush=True)
         for t in (q, k, v, qi, ki):
             t.grad = None
-        torch.cuda.empty_cache()
+        show(row)
     return rows
 
 
@@ -297,16 +300,16 @@ def plot(rows: list[dict], train_rows: list[dict], path: Path) -> None:
 
 
 def print_table(rows: list[dict], train_rows: list[dict]) -> None:
-    print(f"\n{'T':>9} {'kind':>12} {'score':>5} {'dense ms':>10} {'msa ms':>9} {'speedup':>8} {'idx TF/s':>9} {'attn TF/s':>9} "
-          f"{'extra GiB':>9}")
+    print(f"\n{'T':>9} {'kind':>12} {'score':>5} {'dense ms':>10} {'msa ms':>9} {'speedup':>8} {'idx TF/s':>9} "
+          f"{'attn TF/s':>9} {'extra GiB':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['T']:>9} {r['kind']:>12} error: {r['error'][:80]}")
             continue
         attn = f"{r['sparse_attn_tflops']:>9.1f}" if "sparse_attn_tflops" in r else f"{'-':>9}"
         rec = f"  recall vs bf16 {r['recall_vs_bf16']:.3f}" if "recall_vs_bf16" in r else ""
-        print(f"{r['T']:>9} {r['kind']:>12} {r.get('score', 'bf16'):>5} {r['dense_ms']:>10.2f} {r['msa_fwd_ms']:>9.2f} {r['speedup_fwd']:>8.2f} "
-              f"{r['index_tflops']:>9.1f} {attn} {r['peak_extra_GiB']:>9.2f}{rec}")
+        print(f"{r['T']:>9} {r['kind']:>12} {r.get('score', 'bf16'):>5} {r['dense_ms']:>10.2f} {r['msa_fwd_ms']:>9.2f} "
+              f"{r['speedup_fwd']:>8.2f} {r['index_tflops']:>9.1f} {attn} {r['peak_extra_GiB']:>9.2f}{rec}")
     for r in train_rows:
         if "error" in r:
             print(f"train {r['T']:>9} {r['kind']:>12} error: {r['error'][:80]}")
