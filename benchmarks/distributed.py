@@ -37,7 +37,9 @@ from benchmarks.common import env_info, gpu_tag, save_json  # noqa: E402
 from msakit.distributed import ContextParallel, comm_bytes_per_layer, init_distributed, make_parallel  # noqa: E402
 from msakit.distributed.fsdp import shard_model  # noqa: E402
 from msakit.distributed.step import loss_shares, reduce_sum  # noqa: E402
-from msakit.nn.attention import MSAAttention, MSAConfig, msa_attend  # noqa: E402
+from msakit.cache import HeldKeys  # noqa: E402
+from msakit.nn import MSAAttention, MSAConfig, attend  # noqa: E402
+from msakit.ops.index_topk import Selection  # noqa: E402
 
 M3_LAYER = dict(hidden_size=6144, num_heads=64, num_kv_heads=4, head_dim=128, index_dim=128, rotary_dim=64,
                 block_size=128, topk=16, local_blocks=1, init_blocks=0)
@@ -115,7 +117,8 @@ class MSAStack(torch.nn.Module):
 
     def __init__(self, layers: int, shape: dict) -> None:
         super().__init__()
-        self.cfg = MSAConfig(**shape)
+        sel = {k: shape[k] for k in ("block_size", "topk", "local_blocks", "init_blocks")}
+        self.cfg = MSAConfig(selection=Selection(**sel), **{k: v for k, v in shape.items() if k not in sel})
         self.layers = torch.nn.ModuleList(MSAAttention(self.cfg, mode="sparse") for _ in range(layers))
         for m in self.layers:
             m.reset_parameters()
@@ -126,8 +129,9 @@ class MSAStack(torch.nn.Module):
         B, L, _ = h.shape
         for attn in self.layers:
             q, k, v, qi, ki = attn.project(h, positions)
-            attend = msa_attend if ctx is None else ctx.attend
-            o, term, bi = attend(q, k, v, qi, ki, self.cfg, mode="sparse", compute_kl=True, need_block_idx=True)
+            core = attend if ctx is None else ctx.attend
+            o, term, bi = core(q, qi, HeldKeys(k, v, ki), self.cfg.selection, mode="sparse", compute_kl=True,
+                               need_block_idx=True)
             h = h + attn.o_proj(o.reshape(B, L, -1))
             kl = kl + term.float()
             sels.append(bi)

@@ -75,7 +75,7 @@ def build(context: int, new: int, batch: int, seed: int = 0):
 
 
 def gen_fn(model, ids, *, cuda_graph: bool | None = None, cache: str | None = None, compile: bool | None = None):
-    """n -> model.generate(ids, n, greedy) with the given options where generate takes them."""
+    """n -> generate(model, ids, n, greedy) with the given options where generate takes them."""
     from msakit.generate import generate
 
     params = inspect.signature(generate).parameters
@@ -91,7 +91,7 @@ def gen_fn(model, ids, *, cuda_graph: bool | None = None, cache: str | None = No
 
     def gen(n: int):
         with torch.no_grad():
-            return model.generate(ids, n, temperature=0.0, **kw)
+            return generate(model, ids, n, temperature=0.0, **kw)
 
     return gen
 

@@ -173,22 +173,15 @@ def window_block_idx(T: int, block_size: int, topk: int, *, batch: int = 1, grou
 
 def enable_window(model) -> None:
     """Make every MSA layer of `model` attend the sliding window instead of the indexer's top-k when
-    its mode is "sparse" (dense mode stays full attention).  msakit is not edited: this patches
-    instances only.
+    its mode is "sparse" (dense mode stays full attention), through the model's selection policy
+    (`set_selection_policy`; per document when rows are packed).  Train with KL off: the indexer is
+    not used in sparse mode and the recall metric compares the indexer with the oracle only."""
 
-    `MSAAttention.select` (the selection the model's one layer forward uses in training and
-    evaluation) is replaced on each attention module by the window selection, which then feeds
-    `ops.sparse_attention` (per document when rows are packed).  Train with KL off: the KL term
-    would be taken over the window's blocks, and the recall metric compares the window with itself.
-    """
+    def window(layer, q, k, q_idx, k_idx, sel):
+        return window_block_idx(q.shape[1], sel.block_size, sel.topk, batch=q.shape[0], groups=k.shape[2],
+                                device=q.device)
 
-    def window_select(self, q_idx, k_idx):  # same signature as MSAAttention.select
-        B, T, G, _ = q_idx.shape
-        return window_block_idx(T, self.cfg.block_size, self.cfg.topk, batch=B, groups=G, device=q_idx.device)
-
-    for attn in model.msa_layers():
-        attn.select = types.MethodType(window_select, attn)
-    model._msakit_window = True
+    model.set_selection_policy(window)
 
 
 # =============================================================================================
@@ -250,7 +243,7 @@ def base_config(p: dict, vocab: int, block: int, topk: int):
 
     return M3Config.preset(p["model"], vocab_size=vocab, num_hidden_layers=p["layers"],
                            max_position_embeddings=max(p["context"], 1024), index_block_size=block,
-                           index_topk_blocks=topk, index_local_blocks=1, index_init_blocks=0)
+                           index_topk=topk, index_local_blocks=1, index_init_blocks=0)
 
 
 def train_config(p: dict, spec: dict):
@@ -296,7 +289,7 @@ def build_model(name: str, spec: dict, p: dict, vocab: int, root: Path):
             plain = M3ForCausalLM(cfg.replace(sparse_attention_freq=[0] * cfg.num_hidden_layers))
             sd = {k: v for k, v in dense.state_dict().items() if ".index_" not in k}
             plain.load_state_dict(sd, strict=True)
-            model = convert_dense_to_msa(plain, block_size=spec["block"], topk_blocks=spec["topk"],
+            model = convert_dense_to_msa(plain, block_size=spec["block"], topk=spec["topk"],
                                          local_blocks=1, init_blocks=0, seed=p.get("seed", 0))
     if spec["window"]:
         enable_window(model)

@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import add_run_args, env_info, gpu_tag, save_json  # noqa: E402
+from msakit.generate import generate  # noqa: E402
 from msakit.models import M3Config, M3ForCausalLM  # noqa: E402
 import msakit.speculative as speculative  # noqa: E402
 from msakit.speculative import DSparkConfig, DSparkDrafter, speculative_generate  # noqa: E402
@@ -316,7 +317,7 @@ def speed(target, drafter, prompts, p, dev, *, batch: int, temperature: float, r
         if k == n:
             stats.append(st)
 
-    methods = {"plain": lambda pr, k, r: target.generate(pr, k, temperature=temperature, generator=gen(r))}
+    methods = {"plain": lambda pr, k, r: generate(target, pr, k, temperature=temperature, generator=gen(r))}
     engine = getattr(speculative, "autoregressive_generate", None)  # the engine's own plain loop, where it has one
     if engine is not None:
         methods["plain_engine"] = lambda pr, k, r: engine(target, pr, k, temperature=temperature, generator=gen(r))

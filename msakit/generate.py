@@ -61,14 +61,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from msakit.cache import DeferredPagedStep, KVCache, PagedKVCache, PagedStep
+from msakit.nn.core import paged_step_context
+from msakit.nn.moe import MoE, grouped_mm_trial
+from msakit.ops.decode import plan_decode
+from msakit.ops.dispatch import triton_available, use_triton
 from msakit.sampling import keyword_options, sample_next
-
-from msakit.cache import KVCache, PagedKVCache, PagedStep
-from msakit.ops.index_topk import Selection
 
 __all__ = ["KVCache", "sample_next", "generate", "generate_uncached", "paged_supported", "PagedDecoder",
            "capture_graph", "GraphCaptureError", "graph_warning", "decoder_for", "clear_decoders", "StatePool", "model_state_key",
-           "round_length", "paged_step_attend", "compiled_step_forward", "COMPILE_OPTIONS"]
+           "round_length", "compiled_step_forward", "COMPILE_OPTIONS"]
 
 CACHE_KINDS = ("auto", "contiguous", "paged")
 
@@ -85,18 +87,19 @@ def paged_supported(model: Any) -> str | None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if cfg is None or layers is None or not all(hasattr(l, "self_attn") for l in layers):
         return "not an M3ForCausalLM-like model (config, model.layers[i].self_attn)"
-    sel = layers[0].self_attn.cfg
+    acfg = layers[0].self_attn.cfg
+    sel = acfg.selection
     if not _pow2_in(sel.block_size):
         return f"index block size {sel.block_size} (the page size) must be a power of two in [16, 256]"
-    if not _pow2_in(sel.head_dim):
-        return f"head_dim {sel.head_dim} must be a power of two in [16, 256]"
+    if not _pow2_in(acfg.head_dim):
+        return f"head_dim {acfg.head_dim} must be a power of two in [16, 256]"
     if any(l.self_attn.index_branch for l in layers):
-        if not _pow2_in(sel.index_dim):
-            return f"index dim {sel.index_dim} must be a power of two in [16, 256]"
+        if not _pow2_in(acfg.index_dim):
+            return f"index dim {acfg.index_dim} must be a power of two in [16, 256]"
         if sel.topk > 64:
             return f"topk {sel.topk} > 64"
-        if sel.num_heads // sel.num_kv_heads > 128:
-            return f"{sel.num_heads // sel.num_kv_heads} query heads per kv head > 128"
+        if acfg.num_heads // acfg.num_kv_heads > 128:
+            return f"{acfg.num_heads // acfg.num_kv_heads} query heads per kv head > 128"
     return None
 
 
@@ -166,23 +169,18 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Any, "to
     The warm-up is a real call of fn() on a side stream with torch's sync debug mode set to
     "error", so any host sync raises; then fn() is captured on that stream.  Returns (the
     warm-up's output, the graph, the captured call's output buffers); raises GraphCaptureError.
-    A sync error inside torch._grouped_mm does not mark it failed for good (`grouped_mm_failed` is
-    restored)."""
-    from msakit.nn.moe import grouped_mm_failed
-
+    A sync error inside torch._grouped_mm does not mark it failed for good (`grouped_mm_trial`)."""
     cur = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(cur)
     prev = torch.cuda.get_sync_debug_mode()
-    gmm_failed = set(grouped_mm_failed)
     try:
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), grouped_mm_trial():
             torch.cuda.set_sync_debug_mode("error")
             try:
                 out = fn()
             finally:
                 torch.cuda.set_sync_debug_mode(prev)
-                grouped_mm_failed.intersection_update(gmm_failed)
     except Exception as e:  # noqa: BLE001 - the caller falls back to eager
         cur.wait_stream(side)
         raise GraphCaptureError("warm-up", e) from e
@@ -191,11 +189,8 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Any, "to
         o.record_stream(cur)
     graph = torch.cuda.CUDAGraph()
     try:
-        try:
-            with torch.cuda.graph(graph, stream=side):
-                captured = fn()
-        finally:
-            grouped_mm_failed.intersection_update(gmm_failed)
+        with grouped_mm_trial(), torch.cuda.graph(graph, stream=side):
+            captured = fn()
     except Exception as e:  # noqa: BLE001
         raise GraphCaptureError("capture", e, out) from e
     return out, graph, captured
@@ -215,62 +210,12 @@ def _h2d(dst: torch.Tensor, values: list[int]) -> None:
 # The compiled step (compile=True): torch.compile over the model's forward, the cache opaque
 # ---------------------------------------------------------------------------------------------
 
-# (cache, plan, backend) of the compiled step now running: `paged_step_attend` reads them here,
-# so the cache's pools and msa_decode's plan are no inputs of the compiled graph (no input
-# mutation for dynamo / inductor to track, no plan object to trace)
-_STEP_CONTEXT: list[tuple[PagedKVCache, Any, str]] = []
-
-
-@torch.library.custom_op("msakit::paged_step_attend", mutates_args=())
-def paged_step_attend(q: torch.Tensor, q_idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
-                      k_idx: torch.Tensor | None, slots: torch.Tensor, page_table: torch.Tensor,
-                      seq_lens: torch.Tensor, layer: int, mode: str, block_size: int, topk: int,
-                      local_blocks: int, init_blocks: int) -> torch.Tensor:
-    """One layer's `PagedStep.write` + `PagedStep.attend` as one op opaque to torch.compile, over
-    the cache and plan of the running compiled step (`_STEP_CONTEXT`).  q [B, nq, Hq, D], q_idx
-    [B, nq, G, Di] or None, k / v [B, nq, G, D], k_idx [B, nq, Di] or None, slots int64 [B * nq],
-    page_table int32 [B, W], seq_lens int32 [B] -> o [B, nq, Hq, D] (contiguous, q's dtype).
-    The write into the cache's pools is a side effect the op's schema does not declare: the
-    pools are not inputs of any other op of the graph."""
-    if not _STEP_CONTEXT:
-        raise RuntimeError("msakit::paged_step_attend runs inside PagedDecoder's compiled step only")
-    cache, plan, backend = _STEP_CONTEXT[-1]
-    B, nq = q.shape[:2]
-    step = PagedStep(cache, slots.view(B, nq), slots, page_table, seq_lens, plan, backend)
-    step.write(layer, k, v, k_idx)
-    sel = Selection(block_size, topk, local_blocks, init_blocks)
-    return step.attend(layer, q, q_idx, sel, mode).contiguous()
-
-
-@paged_step_attend.register_fake
-def _paged_step_attend_fake(q, q_idx, k, v, k_idx, slots, page_table, seq_lens, layer, mode, block_size, topk,
-                            local_blocks, init_blocks):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-class _OpaqueStep(PagedStep):
-    """The `PagedStep` of the compiled forward: `write` keeps the layer's new keys, `attend`
-    hands them with the queries to `paged_step_attend` (the same write and attention, inside one
-    op dynamo does not trace).  Holds no cache: the op finds it in `_STEP_CONTEXT`."""
-
-    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
-                 seq_lens: torch.Tensor) -> None:
-        self.pos, self.slots, self.page_table, self.seq_lens = positions, slots, page_table, seq_lens
-        self._new: dict[int, tuple] = {}
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None) -> None:
-        self._new[layer] = (k, v, k_idx)
-
-    def attend(self, layer: int, q: torch.Tensor, q_idx: torch.Tensor | None, sel, mode: str) -> torch.Tensor:
-        k, v, k_idx = self._new.pop(layer)
-        return paged_step_attend(q, q_idx, k, v, k_idx, self.slots, self.page_table, self.seq_lens, layer, mode,
-                                 sel.block_size, sel.topk, sel.local_blocks, sel.init_blocks)
-
-
 def _step_forward(model: Any, new: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """The model's forward over one paged step (what `compile=True` compiles) -> logits [B, V]."""
-    step = _OpaqueStep(positions, slots, page_table, seq_lens)
+    """The model's forward over one paged step (what `compile=True` compiles) -> logits [B, V].
+    Each layer's cache write and attention run inside one op opaque to dynamo
+    (`msakit.nn.core.paged_step_attend`, over the cache of `paged_step_context`)."""
+    step = DeferredPagedStep(positions, slots, page_table, seq_lens)
     return model(new, cache=step, logits_to_keep=1).logits[:, -1]
 
 
@@ -326,7 +271,8 @@ class PagedDecoder:
         self.model = model
         self._pooled = False
         self.layers = list(model.model.layers)
-        self.sel = self.layers[0].self_attn.cfg
+        self.cfg = self.layers[0].self_attn.cfg  # the attention shape (every layer's is the same)
+        self.sel = self.cfg.selection
         self.backend = backend
         self.index_layers = [i for i, l in enumerate(self.layers) if l.self_attn.index_branch]
         ps = self.sel.block_size
@@ -335,8 +281,8 @@ class PagedDecoder:
         if num_pages is None:
             num_pages = batch * (-(-max_len // ps))
         self.cache = PagedKVCache(
-            len(self.layers), num_pages, num_kv_heads=self.sel.num_kv_heads, head_dim=self.sel.head_dim,
-            index_dim=self.sel.index_dim if self.index_layers else 0, page_size=ps, kv_dtype=kv_dtype,
+            len(self.layers), num_pages, num_kv_heads=self.cfg.num_kv_heads, head_dim=self.cfg.head_dim,
+            index_dim=self.cfg.index_dim if self.index_layers else 0, page_size=ps, kv_dtype=kv_dtype,
             index_dtype=kv_dtype, index_layers=self.index_layers, device=model.device,
         )
         self.seq_ids = [self.cache.allocate() for _ in range(batch)]
@@ -380,21 +326,17 @@ class PagedDecoder:
 
     def _sparse_triton(self) -> tuple[bool, bool]:
         """(any sparse-mode MSA layer, msa_decode runs its Triton kernels)."""
-        from msakit.ops.dispatch import use_triton
-
         sparse = any(self.layers[l].self_attn.mode == "sparse" for l in self.index_layers)
         return sparse, sparse and use_triton("msa_decode", self.backend, self.cache.device)
 
     def _plan(self, meta, nq: int):
-        from msakit.ops.decode import plan_decode
-
         if not self._sparse_triton()[1]:
             return None
         p = self.plan
         if p is None or p.width != meta.width or p.nq != nq or p.batch != meta.batch:
             s = self.sel
             p = self.plan = plan_decode(
-                self.cache.layer(self.index_layers[0]), batch=meta.batch, nq=nq, num_heads=s.num_heads,
+                self.cache.layer(self.index_layers[0]), batch=meta.batch, nq=nq, num_heads=self.cfg.num_heads,
                 width=meta.width, topk=s.topk, local_blocks=s.local_blocks, init_blocks=s.init_blocks,
                 seq_lens=meta.seq_lens_host, page_table=meta.page_table_host,
             )
@@ -409,16 +351,14 @@ class PagedDecoder:
         compiled: through `compiled_step_forward` (unless its compilation failed before; errors
         of the step itself propagate as in the uncompiled forward)."""
         if compiled and self.compile_disabled_reason is None:
-            _STEP_CONTEXT.append((self.cache, plan, self.backend))
             try:
-                return compiled_step_forward()(self.model, new, positions, slots, page_table, seq_lens)
+                with paged_step_context(self.cache, plan, self.backend):
+                    return compiled_step_forward()(self.model, new, positions, slots, page_table, seq_lens)
             except torch._dynamo.exc.TorchDynamoException as e:  # dynamo / inductor failed: run uncompiled
                 self.compile_disabled_reason = f"the compiled step failed{_where(e)} ({type(e).__name__}: " \
                                                f"{str(e).strip()[:300]})"
                 warnings.warn(f"msakit.generate: compile=True disabled, decoding uncompiled: "
                               f"{self.compile_disabled_reason}", RuntimeWarning, stacklevel=3)
-            finally:
-                _STEP_CONTEXT.pop()
         step = PagedStep(self.cache, positions, slots, page_table, seq_lens, plan, self.backend)
         return self.model(new, cache=step, logits_to_keep=1).logits[:, -1]
 
@@ -454,8 +394,6 @@ class PagedDecoder:
     # ------------------------------------------------------------------ static (CUDA-graph) step
     def graph_unsupported_reason(self) -> str | None:
         """Why this model's decode step cannot be captured (checked before any capture), or None."""
-        from msakit.nn.moe import MoE, GroupedExperts, compute_dtype, grouped_mm_failed, grouped_mm_ok
-
         sparse, triton = self._sparse_triton()
         if sparse and not triton:
             return (f"msa_decode runs its PyTorch reference (decode_backend={self.backend!r}), which reads the "
@@ -466,26 +404,19 @@ class PagedDecoder:
             moe = layer.block_sparse_moe
             if not isinstance(moe, MoE) or type(moe).forward is not MoE.forward:
                 return f"layer {i}: the MoE ({type(moe).__name__}) is not msakit's MoE (its forward may sync)"
-            ex = moe.experts
-            if type(ex) is GroupedExperts:  # subclasses (QAT, packed) are checked by the warm-up
-                dt = compute_dtype(ex.w1.new_empty(0), ex.w1)  # GroupedExperts.forward's compute dtype
-                x = torch.empty(0, ex.hidden_size, dtype=dt, device=ex.w1.device)
-                ws = [torch.empty(w.shape, dtype=dt, device="meta").transpose(1, 2) for w in (ex.w1, ex.w3, ex.w2)]
-                if (x.device.type, dt) in grouped_mm_failed or not all(grouped_mm_ok(x, w) for w in ws):
-                    return (f"layer {i}: the MoE experts would use the padded-bmm fallback of grouped_mm "
-                            "(int(counts.max()): a host sync) instead of torch._grouped_mm")
+            why = moe.capture_blocker()
+            if why is not None:
+                return f"layer {i}: {why}"
         return None
 
     def static_buffers(self, nq: int) -> _GraphStep:
         """The static buffers of the (batch, nq) step (created once; a new plan for the full width)."""
         g = self._graphs.get(nq)
         if g is None:
-            from msakit.ops.decode import plan_decode
-
             B, W, s = len(self.seq_ids), self.graph_width, self.sel
             plan = None
             if self._sparse_triton()[1]:
-                plan = plan_decode(self.cache.layer(self.index_layers[0]), batch=B, nq=nq, num_heads=s.num_heads,
+                plan = plan_decode(self.cache.layer(self.index_layers[0]), batch=B, nq=nq, num_heads=self.cfg.num_heads,
                                    width=W, topk=s.topk, local_blocks=s.local_blocks, init_blocks=s.init_blocks)
             g = self._graphs[nq] = _GraphStep(B, nq, W, self.cache.device, plan)
         return g
@@ -763,7 +694,6 @@ def generate(
     if compile and cache == "contiguous":
         raise ValueError("compile=True compiles the paged decode step: use cache='paged' or 'auto'")
     if cache == "auto":
-        from msakit.ops.dispatch import triton_available
 
         on_gpu = input_ids.device.type == "cuda" and triton_available()
         cache = "paged" if compile or (on_gpu and paged_supported(model) is None) else "contiguous"

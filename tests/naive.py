@@ -9,12 +9,14 @@ import math
 import torch
 
 
-def naive_index_topk(q_idx, k_idx, block_size, topk, local_blocks=1, init_blocks=0):
+def naive_index_topk(q_idx, k_idx, block_size, topk, local_blocks=1, init_blocks=0, positions=None):
+    """positions [B][T] (default: query i at position i): query i of row b sees keys j <= positions[b][i]."""
     B, T, G, _ = q_idx.shape
     out = torch.full((B, G, T, topk), -1, dtype=torch.int32)
     for b in range(B):
         for r in range(G):
-            for i in range(T):
+            for t in range(T):
+                i = t if positions is None else int(positions[b][t])
                 own = i // block_size
                 forced = [x for x in range(own - local_blocks + 1, own + 1) if x >= 0]
                 forced += [x for x in range(init_blocks) if x <= own and x not in forced]
@@ -23,11 +25,11 @@ def naive_index_topk(q_idx, k_idx, block_size, topk, local_blocks=1, init_blocks
                     if blk in forced:
                         continue
                     js = range(blk * block_size, min(i, blk * block_size + block_size - 1) + 1)
-                    m = max(float(q_idx[b, i, r].double() @ k_idx[b, j].double()) for j in js)
+                    m = max(float(q_idx[b, t, r].double() @ k_idx[b, j].double()) for j in js)
                     scores.append((-m, blk))
                 rest = [blk for _, blk in sorted(scores)]
                 row = (sorted(forced) + rest)[:topk]
-                out[b, r, i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+                out[b, r, t, : len(row)] = torch.tensor(row, dtype=torch.int32)
     return out
 
 

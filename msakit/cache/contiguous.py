@@ -2,7 +2,7 @@
 
 Per layer K and V [B, max_len, G, D] and, for MSA layers, the index keys [B, max_len, Di],
 allocated at the first write (dtype / device of k).  A forward over Tq new tokens writes
-positions [length, length + Tq) and attends the first length + Tq (see `KVCache.attend`).
+positions [length, length + Tq); its view holds the first length + Tq, the queries at the end.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from typing import Sequence
 
 import torch
 
-from msakit.cache.base import KVCacheProtocol
-from msakit.nn.attention import MSAConfig, msa_attend
+from msakit.cache.base import HeldKeys, KVCacheProtocol, RollbackCache
 
 __all__ = ["KVCache"]
 
 
-class KVCache(KVCacheProtocol):
+class KVCache(KVCacheProtocol, RollbackCache):
     """Contiguous per-layer cache for `num_layers` layers of up to `max_len` positions; every
     row has the same length (`length`)."""
 
@@ -30,10 +29,12 @@ class KVCache(KVCacheProtocol):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.k_idx: list[torch.Tensor | None] = [None] * num_layers
+        self._new = 0  # new tokens of the running forward
 
-    def positions(self, batch: int, num_new: int, device: torch.device) -> torch.Tensor:
+    def begin(self, batch: int, num_new: int, device: torch.device) -> torch.Tensor:
         if self.length + num_new > self.max_len:
             raise ValueError(f"KV cache overflow: {self.length + num_new} positions > max_len={self.max_len}")
+        self._new = num_new
         return torch.arange(self.length, self.length + num_new, device=device).unsqueeze(0).expand(batch, num_new)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None) -> None:
@@ -52,18 +53,15 @@ class KVCache(KVCacheProtocol):
         if k_idx is not None:
             self.k_idx[layer][:, s:e] = k_idx
 
-    def attend(self, layer: int, q: torch.Tensor, q_idx: torch.Tensor | None, sel: MSAConfig,
-               mode: str) -> torch.Tensor:
-        """The Tq new queries over the first length + Tq positions.  The prompt (length 0) takes
-        the training path; later steps `msa_attend`'s path for queries at the last positions."""
-        Tq = q.shape[1]
-        Tk = self.length + Tq
-        k, v = self.k[layer][:, :Tk], self.v[layer][:, :Tk]
-        k_idx = None if self.k_idx[layer] is None else self.k_idx[layer][:, :Tk]
-        return msa_attend(q, k, v, q_idx, k_idx, sel, mode=mode, compute_kl=False)[0]
+    def view(self, layer: int) -> HeldKeys:
+        """The first length + Tq positions of `layer`, the Tq new queries at the end."""
+        n = self.length + self._new
+        k_idx = None if self.k_idx[layer] is None else self.k_idx[layer][:, :n]
+        return HeldKeys(self.k[layer][:, :n], self.v[layer][:, :n], k_idx)
 
-    def advance(self, num_new: int) -> None:
-        self.length += num_new
+    def end(self) -> None:
+        self.length += self._new
+        self._new = 0
 
     def truncate(self, lengths: int | Sequence[int]) -> None:
         """Keep the first `lengths` positions (one length: all rows share it)."""

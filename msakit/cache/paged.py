@@ -42,12 +42,11 @@ plus their host copies for validation; `None` in seq_ids is a padding slot (leng
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from msakit.cache.base import KVCacheProtocol
+from msakit.cache.base import DeferredPagedKeys, KVCacheProtocol, PagedKeys
 from msakit.ops.decode.reference import PagedLayer, gather_sequence
 from msakit.ops.fp8 import FP8, quantize_fp8
 
@@ -448,10 +447,10 @@ class PagedStep(KVCacheProtocol):
     positions int64 [B, nq]; slots int64 [B * nq] (reserved with `append_slots`, row by row);
     page_table int32 [B, W] and seq_lens int32 [B] (lengths including the new tokens); `plan`
     the `plan_decode` plan of this (batch, nq, width) or None (msa_decode then plans itself:
-    eager use only).  Sparse-mode MSA layers attend through `msa_decode` (one plan for all
-    layers), the others attend every page of the row (gathered through the page table, keys past
-    a query's position masked).  No host sync and no Python value that depends on the lengths:
-    a forward over a PagedStep built from static buffers can be captured as a CUDA graph."""
+    eager use only).  Its views are `PagedKeys` (one shared memo per step).  No host sync and
+    no Python value that depends on the lengths: a forward over a PagedStep built from static
+    buffers can be captured as a CUDA graph.  The step is one forward: its owner reserved the
+    slots, so `end` changes nothing."""
 
     def __init__(self, cache: PagedKVCache, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, plan=None, backend: str = "auto") -> None:
@@ -463,10 +462,9 @@ class PagedStep(KVCacheProtocol):
                              f"{tuple(page_table.shape)}, {tuple(seq_lens.shape)}")
         self.cache, self.pos, self.slots = cache, positions, slots
         self.page_table, self.seq_lens, self.plan, self.backend = page_table, seq_lens, plan, backend
-        self._mask: torch.Tensor | None = None
-        self._table: torch.Tensor | None = None
+        self._memo: dict = {}
 
-    def positions(self, batch: int, num_new: int, device: torch.device) -> torch.Tensor:
+    def begin(self, batch: int, num_new: int, device: torch.device) -> torch.Tensor:
         if tuple(self.pos.shape) != (batch, num_new):
             raise ValueError(f"this step holds positions {tuple(self.pos.shape)}, got {batch} x {num_new} new tokens")
         return self.pos
@@ -476,33 +474,36 @@ class PagedStep(KVCacheProtocol):
         ki = None if k_idx is None else k_idx.reshape(B * nq, -1)
         self.cache.write(layer, self.slots, k.reshape(B * nq, G, D), v.reshape(B * nq, G, D), ki)
 
-    def dense_mask(self, nq: int) -> torch.Tensor:
-        """bool [B, 1, nq, W * ps]: key j visible to new query i iff j <= seq_len - nq + i (made once per step)."""
-        if self._mask is None:
-            dev = self.page_table.device
-            rows = self.seq_lens.long().unsqueeze(1) - nq + torch.arange(nq, device=dev)  # [B, nq]
-            keys = torch.arange(self.page_table.shape[1] * self.cache.page_size, device=dev)
-            self._mask = (keys.view(1, 1, -1) <= rows.unsqueeze(-1)).unsqueeze(1)
-        return self._mask
+    def view(self, layer: int) -> PagedKeys:
+        return PagedKeys(self.cache.layer(layer), self.page_table, self.seq_lens, self.cache.page_size, self.plan,
+                         self.backend, self._memo)
 
-    def attend(self, layer: int, q: torch.Tensor, q_idx: torch.Tensor | None, sel, mode: str) -> torch.Tensor:
-        pools = self.cache.layer(layer)
-        if mode == "sparse" and q_idx is not None:
-            from msakit.ops.decode import msa_decode
+    def end(self) -> None:
+        pass
 
-            return msa_decode(q, q_idx, pools, self.page_table, self.seq_lens, plan=self.plan, topk=sel.topk,
-                              local_blocks=sel.local_blocks, init_blocks=sel.init_blocks, validate=False,
-                              backend=self.backend)
-        nq, Hq, G = q.shape[1], q.shape[2], pools.num_kv_heads
-        if self._table is None:
-            self._table = self.page_table.long()
-        table = self._table
-        qh = q.transpose(1, 2)
-        kh = gather_pages(pools.k, pools.k_scale, table).repeat_interleave(Hq // G, dim=1).to(qh.dtype)
-        vh = gather_pages(pools.v, pools.v_scale, table).repeat_interleave(Hq // G, dim=1).to(qh.dtype)
-        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=self.dense_mask(nq),
-                                                             scale=1.0 / math.sqrt(q.shape[-1]))
-        return o.transpose(1, 2)
 
-    def truncate(self, lengths) -> None:
-        raise ValueError("a PagedStep is one forward; truncate the sequences of its PagedKVCache (PagedKVCache.truncate)")
+class DeferredPagedStep(KVCacheProtocol):
+    """A `PagedStep` whose writes happen inside the attention op (the compiled decode step:
+    `msakit.nn.core.paged_step_attend` writes and attends in one op opaque to torch.compile,
+    over the cache of `paged_step_context`).  `write` keeps the layer's new keys; `view` hands
+    them over as `DeferredPagedKeys`.  Holds no cache."""
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                 seq_lens: torch.Tensor) -> None:
+        self.pos, self.slots, self.page_table, self.seq_lens = positions, slots, page_table, seq_lens
+        self._new: dict[int, tuple] = {}
+
+    def begin(self, batch: int, num_new: int, device: torch.device) -> torch.Tensor:
+        if tuple(self.pos.shape) != (batch, num_new):
+            raise ValueError(f"this step holds positions {tuple(self.pos.shape)}, got {batch} x {num_new} new tokens")
+        return self.pos
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None) -> None:
+        self._new[layer] = (k, v, k_idx)
+
+    def view(self, layer: int) -> DeferredPagedKeys:
+        k, v, k_idx = self._new.pop(layer)
+        return DeferredPagedKeys(layer, k, v, k_idx, self.slots, self.page_table, self.seq_lens)
+
+    def end(self) -> None:
+        pass

@@ -75,7 +75,8 @@ def _floats(name: str, text: str) -> list[float]:
 
 def parse_config(args: argparse.Namespace):
     """The EvalConfig of the command's arguments (ValueError naming the option on bad input)."""
-    from msakit.eval import Budget, EvalConfig, parse_policy
+    from msakit.eval import EvalConfig, parse_policy
+    from msakit.ops.index_topk import Selection
 
     lengths = [_int("lengths", t, 64) for t in _list("lengths", args.lengths)]
     policies = _list("policies", args.policies)
@@ -85,7 +86,7 @@ def parse_config(args: argparse.Namespace):
         except ValueError as e:
             raise ValueError(f"--policies: {e}") from None
     try:
-        budget = Budget.parse(args.budget)
+        budget = Selection.parse(args.budget)
     except ValueError as e:
         raise ValueError(f"--budget: {e}") from None
     try:
@@ -122,10 +123,10 @@ def load_eval_model(model_dir: Path, cfg: Any, *, device: Any, dtype: Any, init_
         model = HFPolicyModel(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk, init_blocks=init_blocks)
     elif sparse and not hasattr(model, "set_attention_mode"):
         log(f"adding an untrained index branch ({cfg.budget}, init_blocks {init_blocks}, seed {cfg.seed})")
-        model = convert_dense_to_msa(model, block_size=cfg.budget.block_size, topk_blocks=cfg.budget.topk,
+        model = convert_dense_to_msa(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk,
                                      init_blocks=init_blocks, seed=cfg.seed, device=device, dtype=dtype)
-    elif isinstance(model, MSAWrappedModel) and sparse and model.sel.block_size != cfg.budget.block_size:
-        raise ValueError(f"{model_dir} selects blocks of {model.sel.block_size} tokens; the budget {cfg.budget} "
+    elif isinstance(model, MSAWrappedModel) and sparse and model.msa_config.selection.block_size != cfg.budget.block_size:
+        raise ValueError(f"{model_dir} selects blocks of {model.msa_config.selection.block_size} tokens; the budget {cfg.budget} "
                          f"needs blocks of {cfg.budget.block_size}")
     model.to(device=device, dtype=dtype)
     model.eval()

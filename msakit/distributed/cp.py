@@ -8,16 +8,15 @@ so pairing chunk r with chunk 2 cp - 1 - r gives every rank the same amount of s
 Padding tokens sit after every real token: causally no real query sees them, and they are
 left out of the outputs' meaning (zero rows, -1 selections) and of the KL.
 
-Per layer (`ContextParallel.attend`, with the signature of `msakit.nn.attention.msa_attend`):
+Per layer (`ContextParallel.attend`, with the signature of the attention core, `msakit.nn.core.attend`):
 
 1. the key side (k, v and the index keys k_idx) of every rank is all-gathered into the whole
    padded sequence; k_idx first, k and v asynchronously, so that their transfer overlaps the
    index scoring, which needs only k_idx;
 2. the rank's queries select at their GLOBAL positions: a local chunk [s, e) (cut at document
-   boundaries for packed batches) is a query range whose keys are [doc start, e).  When the
-   queries start where the keys start the public ops run (Triton kernels on CUDA); otherwise
-   the reference ops, which take queries that are the last Tq positions of the Tk keys
-   (`index_topk_reference`, `sparse_attention_reference`, `index_kl_loss_reference`);
+   boundaries for packed batches) is a query range whose keys are [doc start, e), and the
+   attention core (`msakit.nn.core.attend`) runs it as queries at the end of held keys: the
+   kernels when the queries start where the keys start, the references otherwise;
 3. backward (`CPAttentionFunction`) re-gathers the key side instead of keeping the gathered
    buffers (the gather is checkpointed), recomputes the local attention with autograd, and
    reduce-scatters dk, dv and dk_idx back to the ranks that own those tokens.
@@ -39,11 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from msakit import ops
+from msakit.cache.base import HeldKeys
 from msakit.models.modeling import document_segments
-from msakit.ops.index_kl import index_kl_loss_reference
-from msakit.ops.index_topk import index_topk_reference
-from msakit.ops.sparse_attention import sparse_attention_reference
+from msakit.nn.core import attend as core_attend
+from msakit.nn.core import select as core_select
+from msakit.ops.index_topk import Selection
 
 __all__ = [
     "ChunkLayout",
@@ -53,7 +52,6 @@ __all__ = [
     "CPAttentionFunction",
     "GatherSequence",
     "cp_msa_attention",
-    "dense_attention_offset",
     "comm_bytes_per_layer",
     "IGNORE_INDEX",
 ]
@@ -235,85 +233,25 @@ class _Piece:
 
 @dataclass(frozen=True)
 class _Settings:
-    block_size: int
-    topk: int
-    local_blocks: int
-    init_blocks: int
+    sel: Selection
     mode: str
     compute_kl: bool
     select: bool
     scale: float | None
 
 
-def dense_attention_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
-                           max_mask_elements: int = 1 << 26) -> torch.Tensor:
-    """Causal GQA attention of queries that are the last Tq positions of the keys' sequence:
-    q [B, Tq, Hq, D], k, v [B, Tk, G, D] (Tq <= Tk) -> o [B, Tq, Hq, D].  Query row i attends keys
-    j <= Tk - Tq + i.  The rows run in chunks whose boolean mask has at most `max_mask_elements`."""
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[1] > k.shape[1]:
-        raise ValueError(f"q [B, Tq, Hq, D] and k, v [B, Tk, G, D] with Tq <= Tk expected, got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    return _dense_offset(q, k, v, softmax_scale, max_mask_elements)
-
-
-def _dense_offset(q, k, v, scale: float | None, max_mask_elements: int = 1 << 26) -> torch.Tensor:
-    Tq, Tk = q.shape[1], k.shape[1]
-    if Tq == Tk:
-        return ops.dense_attention(q, k, v, softmax_scale=scale)
-    Hq, G = q.shape[2], k.shape[2]
-    sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    kh = k.transpose(1, 2).repeat_interleave(Hq // G, dim=1).to(q.dtype)
-    vh = v.transpose(1, 2).repeat_interleave(Hq // G, dim=1).to(q.dtype)
-    step = max(1, max_mask_elements // Tk)
-    cols = torch.arange(Tk, device=q.device).view(1, -1)
-    outs = []
-    for i0 in range(0, Tq, step):
-        i1 = min(Tq, i0 + step)
-        rows = torch.arange(Tk - Tq + i0, Tk - Tq + i1, device=q.device).view(-1, 1)
-        e = Tk - Tq + i1  # keys after the chunk's last query are masked for all its rows
-        o = F.scaled_dot_product_attention(q[:, i0:i1].transpose(1, 2), kh[:, :, :e], vh[:, :, :e],
-                                           attn_mask=cols[:, :e] <= rows, scale=sc)
-        outs.append(o.transpose(1, 2))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-def _no_autocast(x: torch.Tensor):
-    """The reference ops compute in float32 like the kernels: autocast (CUDA bf16) must not cast
-    their einsums down."""
-    return torch.autocast(x.device.type, enabled=False)
-
-
 def _select(qi: torch.Tensor, ki: torch.Tensor, st: _Settings) -> torch.Tensor:
-    kw = dict(block_size=st.block_size, topk=st.topk, local_blocks=st.local_blocks, init_blocks=st.init_blocks)
-    if qi.shape[1] == ki.shape[1]:
-        return ops.index_topk(qi, ki, **kw)
-    with _no_autocast(qi):
-        return index_topk_reference(qi, ki, **kw)
+    return core_select(qi, ki, st.sel)
 
 
 def _attend(q, kf, vf, qi, kif, p: _Piece, bi, st: _Settings):
-    """(o [B, n, Hq, D], KL mean over the piece's rows or None) of one query piece."""
-    qp = q[:, p.lo:p.lo + p.n]
-    kp, vp = kf[:, p.ks:p.qe], vf[:, p.ks:p.qe]
-    whole = p.qs == p.ks
-    if st.mode == "sparse" and bi is not None:
-        if whole:
-            o = ops.sparse_attention(qp, kp, vp, bi, block_size=st.block_size, softmax_scale=st.scale, validate=False)
-        else:
-            with _no_autocast(qp):
-                o = sparse_attention_reference(qp, kp, vp, bi, block_size=st.block_size, softmax_scale=st.scale)
-    else:
-        o = _dense_offset(qp, kp, vp, st.scale)
-    kl = None
-    if st.compute_kl and bi is not None:
-        qip, kip = qi[:, p.lo:p.lo + p.n], kif[:, p.ks:p.qe]
-        if whole:
-            kl = ops.index_kl_loss(qp, kp, qip, kip, bi, block_size=st.block_size, softmax_scale=st.scale,
-                                   validate=False)
-        else:
-            with _no_autocast(qp):
-                kl = index_kl_loss_reference(qp.detach(), kp.detach(), qip, kip, bi, block_size=st.block_size,
-                                             softmax_scale=st.scale)
+    """(o [B, n, Hq, D], KL mean over the piece's rows or None) of one query piece: the core over
+    the piece's keys [ks, qe), the queries at their end, on the selection made beforehand."""
+    qs = slice(p.lo, p.lo + p.n)
+    keys = HeldKeys(kf[:, p.ks:p.qe], vf[:, p.ks:p.qe], None if kif is None else kif[:, p.ks:p.qe])
+    o, kl, _ = core_attend(q[:, qs], None if qi is None else qi[:, qs], keys, st.sel,
+                           mode=st.mode if bi is not None else "dense", compute_kl=st.compute_kl and bi is not None,
+                           softmax_scale=st.scale, block_idx=bi)
     return o, kl
 
 
@@ -354,7 +292,7 @@ class CPAttentionFunction(torch.autograd.Function):
             kif = pend_ki.wait()
             with torch.no_grad():
                 bis = [_select(q_idx[:, p.lo:p.lo + p.n], kif[:, p.ks:p.qe], st) for p in pieces]
-            block_idx = _assemble_selection(pieces, bis, B, G, L, st.topk, q.device)
+            block_idx = _assemble_selection(pieces, bis, B, G, L, st.sel.topk, q.device)
         kf, vf = pend_k.wait(), pend_v.wait()
         with torch.no_grad():
             o, kl = _local_outputs(q, kf, vf, q_idx, kif, pieces, bis, st, cp.layout.seq_len)
@@ -420,8 +358,8 @@ class ContextParallel:
     group: the cp process group (None: the default group; a world size of 1 runs without
     collectives); block_size: the MSA block size (chunks are multiples of it); cu_seqlens:
     int32 [ndocs + 1] over the GLOBAL sequence for a packed batch (B = 1), documents may cross
-    chunk boundaries.  `attend` has the signature of `msakit.nn.attention.msa_attend` and
-    is what the model's layer calls instead of it (see docs/distributed.md for the hook).
+    chunk boundaries.  `attend` has the signature of the attention core (`msakit.nn.core.attend`)
+    and is what the model's layer calls instead of it (see docs/distributed.md for the hook).
     """
 
     def __init__(self, group: Any, seq_len: int, block_size: int, *,
@@ -494,18 +432,21 @@ class ContextParallel:
         return pos.index_select(0, self.layout.positions(device=device)).unsqueeze(0)
 
     # -- the layer hook -------------------------------------------------------------------------
-    def attend(self, q, k, v, q_idx, k_idx, sel, *, mode: str, compute_kl: bool, need_block_idx: bool = False,
-               segments: Any = None, softmax_scale: float | None = None, select: Any = None):
-        """Drop-in for `msa_attend` on the rank's local tokens: q [B, L, Hq, D], k/v [B, L, G, D],
-        q_idx [B, L, G, Di] / k_idx [B, L, Di] or None -> (o [B, L, Hq, D], KL share or None,
-        block_idx [B, G, L, K] or None).  `segments` and `select` are ignored: the context holds the
-        documents, and selects with `ops.index_topk` semantics at global positions; the KL is over
-        the selected tokens (sel.kl_tokens "all" is refused)."""
-        if compute_kl and sel.kl_tokens != "selected":
+    def attend(self, q, q_idx, keys: HeldKeys, sel: Selection, *, mode: str, compute_kl: bool = False,
+               kl_tokens: str = "selected", need_block_idx: bool = False, segments: Any = None,
+               softmax_scale: float | None = None, block_idx: Any = None):
+        """Drop-in for the attention core on the rank's local tokens: q [B, L, Hq, D], q_idx
+        [B, L, G, Di] or None, keys the local HeldKeys (k/v [B, L, G, D], k_idx [B, L, Di] or None)
+        -> (o [B, L, Hq, D], KL share or None, block_idx [B, G, L, K] or None).  `segments` is
+        ignored (the context holds the documents); selections are the indexer's at global
+        positions (`block_idx` overrides are refused); the KL is over the selected tokens
+        (kl_tokens "all" is refused)."""
+        if compute_kl and kl_tokens != "selected":
             raise ValueError("context parallelism computes the KL over the selected tokens: kl_tokens='all' "
                              "is not supported with --cp")
-        return cp_msa_attention(q, k, v, q_idx, k_idx, self, block_size=sel.block_size, topk=sel.topk,
-                                local_blocks=sel.local_blocks, init_blocks=sel.init_blocks, mode=mode,
+        if block_idx is not None:
+            raise ValueError("context parallelism selects with the indexer: selection policies are not supported")
+        return cp_msa_attention(q, keys.k, keys.v, q_idx, keys.k_idx, self, sel=sel, mode=mode,
                                 compute_kl=compute_kl, need_block_idx=need_block_idx, softmax_scale=softmax_scale)
 
 
@@ -517,10 +458,7 @@ def cp_msa_attention(
     k_idx: torch.Tensor | None,
     cp: ContextParallel,
     *,
-    block_size: int = 128,
-    topk: int = 16,
-    local_blocks: int = 1,
-    init_blocks: int = 0,
+    sel: Selection = Selection(),
     mode: str = "sparse",
     compute_kl: bool = True,
     need_block_idx: bool = False,
@@ -548,12 +486,14 @@ def cp_msa_attention(
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     if (q_idx is None) != (k_idx is None):
         raise ValueError("q_idx and k_idx must both be given or both be None")
-    if cp.layout.chunk % block_size:
-        raise ValueError(f"the layout's chunk of {cp.layout.chunk} tokens is not a multiple of block_size={block_size}")
+    if not isinstance(sel, Selection):
+        raise ValueError(f"sel must be a Selection, got {type(sel).__name__}")
+    if cp.layout.chunk % sel.block_size:
+        raise ValueError(f"the layout's chunk of {cp.layout.chunk} tokens is not a multiple of "
+                         f"block_size={sel.block_size}")
     has_index = q_idx is not None
     select = has_index and (mode == "sparse" or compute_kl or need_block_idx)
-    st = _Settings(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
-                   mode=mode if has_index else "dense", compute_kl=compute_kl and has_index, select=select,
+    st = _Settings(sel=sel, mode=mode if has_index else "dense", compute_kl=compute_kl and has_index, select=select,
                    scale=softmax_scale)
     if cp.size == 1:  # nothing to gather: the plain ops under autograd, no recomputation
         o, kl, block_idx = _single_rank(q, k, v, q_idx, k_idx, cp, st)
@@ -572,7 +512,7 @@ def _single_rank(q, k, v, q_idx, k_idx, cp: ContextParallel, st: _Settings):
     if st.select:
         with torch.no_grad():
             bis = [_select(q_idx[:, p.lo:p.lo + p.n], k_idx[:, p.ks:p.qe], st) for p in pieces]
-        block_idx = _assemble_selection(pieces, bis, q.shape[0], k.shape[2], q.shape[1], st.topk, q.device)
+        block_idx = _assemble_selection(pieces, bis, q.shape[0], k.shape[2], q.shape[1], st.sel.topk, q.device)
     o, kl = _local_outputs(q, k, v, q_idx, k_idx, pieces, bis, st, cp.layout.seq_len)
     return o, kl, block_idx
 

@@ -9,25 +9,16 @@ from __future__ import annotations
 
 from msakit.eval.documents import Document, long_documents
 from msakit.eval.hf_policy import HFPolicyModel
-from msakit.eval.policies import (
-    POLICY_NAMES,
-    Budget,
-    Policy,
-    make_policy,
-    msa_block_idx,
-    oracle_block_idx,
-    oracle_block_mass,
-    window_block_idx,
-)
+from msakit.eval.policies import POLICY_NAMES, Policy, make_policy, oracle_block_idx, window_block_idx
 from msakit.eval.report import markdown_table, summarize, write_report
 from msakit.eval.runner import TASKS, EvalConfig, configure_model, parse_policy, read_records, run_eval
 from msakit.eval.scoring import answer_scores, bucket_edges, bucket_sums, model_logits, token_nll
 from msakit.eval.tasks import RETRIEVAL_TASKS, Sample, encoder, make_sample, make_samples
 
 __all__ = [
-    "Budget", "Document", "EvalConfig", "HFPolicyModel", "POLICY_NAMES", "Policy", "RETRIEVAL_TASKS", "Sample", "TASKS",
+    "Document", "EvalConfig", "HFPolicyModel", "POLICY_NAMES", "Policy", "RETRIEVAL_TASKS", "Sample", "TASKS",
     "answer_scores", "bucket_edges", "bucket_sums", "configure_model", "encoder", "long_documents",
-    "make_policy", "make_sample", "make_samples", "markdown_table", "model_logits", "msa_block_idx",
-    "oracle_block_idx", "oracle_block_mass", "parse_policy", "read_records", "run_eval", "summarize",
+    "make_policy", "make_sample", "make_samples", "markdown_table", "model_logits",
+    "oracle_block_idx", "parse_policy", "read_records", "run_eval", "summarize",
     "token_nll", "window_block_idx", "write_report",
 ]

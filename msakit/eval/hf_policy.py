@@ -3,40 +3,31 @@
 `HFPolicyModel` wraps a transformers Llama / Qwen2-style model and swaps its attention core
 through transformers' attention interface (name ``msakit_eval_policy``): in "dense" mode it is
 HF's own SDPA attention (logits equal the unwrapped model's); in "sparse" mode each layer calls
-the selection policy on its q [B, T, Hq, D] and k [B, T, G, D] (after HF's RoPE) and attends
-the selected blocks with ``ops.sparse_attention``.  There is no index branch, so q_idx and k_idx
+the selection policy on its q [B, T, Hq, D] and k [B, T, G, D] (after HF's RoPE) and the
+attention core (`msakit.nn.core.attend`) attends the selected blocks.  There is no index branch, so q_idx and k_idx
 are None: the ``window``, ``window0`` and ``oracle`` policies run, ``msa`` needs a converted
 model.  The model is called without a KV cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from msakit import ops
+from msakit.cache.base import HeldKeys
 from msakit.models.convert import register_hf_attention
+from msakit.nn.core import attend
+from msakit.ops.index_topk import Selection
 
-__all__ = ["ATTN_IMPL", "HFPolicyModel", "PolicySelection"]
+__all__ = ["ATTN_IMPL", "HFPolicyModel"]
 
 ATTN_IMPL = "msakit_eval_policy"
 
 
-@dataclass
-class PolicySelection:
-    """The `sel` given to policies: blocks of `block_size` tokens; forcing as in docs/msa.md."""
-
-    block_size: int
-    topk: int
-    local_blocks: int = 1
-    init_blocks: int = 0
-
-
 class _State:
-    def __init__(self, sel: PolicySelection) -> None:
+    def __init__(self, sel: Selection) -> None:
         self.sel = sel
         self.mode = "dense"
         self.policy = None
@@ -58,8 +49,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     layer = int(getattr(module, "layer_idx", 0) or 0)
     with torch.no_grad():
         bidx = st.policy(layer, q, k, None, None, st.sel)
-    o = ops.sparse_attention(q, k, v, bidx, block_size=st.sel.block_size, softmax_scale=scaling)
-    return o, None
+    return attend(q, None, HeldKeys(k, v), st.sel, mode="sparse", softmax_scale=scaling, block_idx=bidx)[0], None
 
 
 class HFPolicyModel(nn.Module):
@@ -76,7 +66,7 @@ class HFPolicyModel(nn.Module):
             raise ValueError(f"hf_model must be a transformers causal LM with model.layers, got {type(hf_model).__name__}")
         register_hf_attention(ATTN_IMPL, _attention)
         self.hf = hf_model
-        self._state = _State(PolicySelection(block_size, topk, local_blocks, init_blocks))
+        self._state = _State(Selection(block_size, topk, local_blocks, init_blocks))
         for layer in layers:
             layer.self_attn.__dict__["_msakit_eval_state"] = self._state
         hf_model.set_attn_implementation(ATTN_IMPL)

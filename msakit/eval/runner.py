@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from msakit.eval.documents import long_documents
-from msakit.eval.policies import POLICY_NAMES, Budget, make_policy
+from msakit.eval.policies import POLICY_NAMES, make_policy
+from msakit.ops.index_topk import Selection
 from msakit.eval.scoring import answer_scores, bucket_edges, bucket_sums, model_logits, token_nll
 from msakit.eval.tasks import RETRIEVAL_TASKS, TASK_VERSION, TokenPieces, encoder, make_sample
 
@@ -63,7 +64,7 @@ class EvalConfig:
     lengths: list[int] = field(default_factory=lambda: [4096])
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     policies: list[str] = field(default_factory=lambda: ["dense"])
-    budget: Budget = field(default_factory=lambda: Budget(64, 8))
+    budget: Selection = field(default_factory=lambda: Selection(64, 8))
     samples: int = 4
     seed: int = 0
     batch_size: int = 1
@@ -89,8 +90,8 @@ class EvalConfig:
             parse_policy(p)
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"policies must not repeat, got {self.policies}")
-        if not isinstance(self.budget, Budget):
-            raise ValueError(f"budget must be a Budget, got {type(self.budget).__name__}")
+        if not isinstance(self.budget, Selection):
+            raise ValueError(f"budget must be a Selection, got {type(self.budget).__name__}")
         for name in ("samples", "batch_size", "num_needles", "hops"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -158,7 +159,7 @@ def check_model(model: Any, policies: Sequence[str]) -> None:
                              "convert the model to MSA first")
 
 
-def configure_model(model: Any, policy: str, budget: Budget) -> str:
+def configure_model(model: Any, policy: str, budget: Selection) -> str:
     """Put `model` in the attention mode and selection of `policy`; returns where the selection
     comes from ("none" for dense, "policy", or "model" for msa on a model without the hook)."""
     kind, _ = parse_policy(policy)

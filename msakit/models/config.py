@@ -22,6 +22,8 @@ from typing import Any, Mapping
 
 from msakit.config_io import check_fixed_fields, get_field, get_rotary_dim, load_config_file, write_config_json
 from msakit.cost import ModelShape
+from msakit.models.presets import FIXTURE_PRESETS, PRESETS, built_preset, fixture_dict
+from msakit.ops.index_topk import Selection
 
 __all__ = ["M3Config", "M3_MODEL_TYPES", "PRESETS"]
 
@@ -145,14 +147,33 @@ class M3Config:
     # -- presets -----------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "M3Config":
-        """A named config ("tiny", "small", "minimax-m3", "minimax-m3.1-flash") with overrides.
+        """A named config ("tiny", "small", "minimax-m3", "minimax-m3.1-flash") with overrides
+        (M3Config field names).
 
         Changing num_hidden_layers without giving the per-layer lists rebuilds them in the
         preset's pattern (tiny/small: layer 0 dense MLP, MSA everywhere).
         """
-        from msakit.models.presets import get_preset
+        key = str(name).lower()
+        if key not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+        unknown = set(overrides) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown M3Config field(s) for preset {name!r}: {sorted(unknown)}")
+        if key in FIXTURE_PRESETS:
+            cfg = cls.from_dict(fixture_dict(key))
+            return cfg.replace(**overrides) if overrides else cfg
+        base = built_preset(key, overrides.get("num_hidden_layers"))
+        if "num_key_value_heads" in overrides and "index_n_heads" not in overrides:
+            base["index_n_heads"] = overrides["num_key_value_heads"]
+        base.update(overrides)
+        return cls(**base)
 
-        return get_preset(name, **overrides)
+    @property
+    def selection(self) -> Selection:
+        """The MSA layers' selection settings (index_block_size, index_topk_blocks,
+        index_local_blocks, index_init_blocks)."""
+        return Selection(self.index_block_size, self.index_topk_blocks, self.index_local_blocks,
+                         self.index_init_blocks)
 
     # -- reading -----------------------------------------------------------------------------
     @classmethod
@@ -313,7 +334,6 @@ class M3Config:
 
 # -- helpers ---------------------------------------------------------------------------------
 
-PRESETS = ("tiny", "small", "minimax-m3", "minimax-m3.1-flash")
 
 
 def _pos_int(cfg: M3Config, f: str) -> None:

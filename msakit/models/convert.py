@@ -38,9 +38,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from msakit import ops
+from msakit.cache.base import HeldKeys, KVCacheProtocol
 from msakit.models.config import M3_MODEL_TYPES
-from msakit.cache.base import KVCacheProtocol
 from msakit.models.modeling import (
     M3ForCausalLM,
     M3Output,
@@ -49,7 +48,9 @@ from msakit.models.modeling import (
     lm_loss,
     segment_positions,
 )
-from msakit.nn.attention import INDEX_MODULES, KL_TOKENS, MODES, MSAConfig, msa_attend, selection_info
+from msakit.nn.attention import INDEX_MODULES, KL_TOKENS, MODES, MSAConfig
+from msakit.nn.core import attend, selection_info
+from msakit.ops.index_topk import Selection
 from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
 
@@ -104,7 +105,7 @@ def convert_dense_to_msa(
     *,
     index_head_dim: int | None = None,
     block_size: int | None = None,
-    topk_blocks: int | None = None,
+    topk: int | None = None,
     local_blocks: int | None = None,
     init_blocks: int | None = None,
     rotary_dim: int | None = None,
@@ -123,7 +124,7 @@ def convert_dense_to_msa(
     if index_init not in INDEX_INITS:
         raise ValueError(f"index_init must be one of {INDEX_INITS}, got {index_init!r}")
     for name, val, lo in (("index_head_dim", index_head_dim, 1), ("block_size", block_size, 1),
-                          ("topk_blocks", topk_blocks, 1), ("local_blocks", local_blocks, 0),
+                          ("topk", topk, 1), ("local_blocks", local_blocks, 0),
                           ("init_blocks", init_blocks, 0), ("rotary_dim", rotary_dim, 0)):
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < lo):
             raise ValueError(f"{name} must be an integer >= {lo} (or None for the default), got {val!r}")
@@ -132,7 +133,7 @@ def convert_dense_to_msa(
         model = load_for_conversion(model_or_path, device=device, dtype=dtype)
     if isinstance(model, MSAWrappedModel):
         raise ValueError("the model already has MSA index branches (an MSAWrappedModel)")
-    opts = dict(index_head_dim=index_head_dim, block_size=block_size, topk_blocks=topk_blocks,
+    opts = dict(index_head_dim=index_head_dim, block_size=block_size, topk=topk,
                 local_blocks=local_blocks, init_blocks=init_blocks, layers=layers, seed=seed)
     if isinstance(model, M3ForCausalLM):
         if rotary_dim is not None and rotary_dim != model.config.rotary_dim:
@@ -166,7 +167,7 @@ def _normal_init(params: Sequence[torch.Tensor], std: float, seed: int) -> None:
 
 
 def _convert_m3(
-    model: M3ForCausalLM, *, index_head_dim, block_size, topk_blocks, local_blocks, init_blocks, layers, seed
+    model: M3ForCausalLM, *, index_head_dim, block_size, topk, local_blocks, init_blocks, layers, seed
 ) -> M3ForCausalLM:
     cfg = model.config
     dense_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sparse(i)]
@@ -181,7 +182,7 @@ def _convert_m3(
         raise ValueError("the model already has MSA in every layer: nothing to convert")
     changes: dict[str, Any] = {}
     for key, val in (("index_head_dim", index_head_dim), ("index_block_size", block_size),
-                     ("index_topk_blocks", topk_blocks), ("index_local_blocks", local_blocks),
+                     ("index_topk_blocks", topk), ("index_local_blocks", local_blocks),
                      ("index_init_blocks", init_blocks)):
         if val is not None:
             if cfg.num_sparse_layers and getattr(cfg, key) != val:
@@ -221,13 +222,10 @@ def _convert_m3(
 
 @dataclass
 class MSASettings:
-    """Index-branch settings of an `MSAWrappedModel` (saved as msakit_msa.json)."""
+    """Index-branch settings of an `MSAWrappedModel` (saved in config.json under "msakit_msa")."""
 
     index_head_dim: int
-    block_size: int = 128
-    topk_blocks: int = 16
-    local_blocks: int = 1
-    init_blocks: int = 0
+    selection: Selection = dataclasses.field(default_factory=Selection)
     rotary_dim: int = 64
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
@@ -235,12 +233,20 @@ class MSASettings:
     mode: str = "dense"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        sel = d.pop("selection")
+        d.update(block_size=sel["block_size"], topk=sel["topk"], local_blocks=sel["local_blocks"],
+                 init_blocks=sel["init_blocks"])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "MSASettings":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        """From `to_dict`'s dict (folders written before the selection had one object name top-k
+        "topk_blocks": read too)."""
+        sel = Selection(int(d.get("block_size", 128)), int(d.get("topk", d.get("topk_blocks", 16))),
+                        int(d.get("local_blocks", 1)), int(d.get("init_blocks", 0)))
+        known = {f.name for f in dataclasses.fields(cls)} - {"selection"}
+        return cls(selection=sel, **{k: v for k, v in d.items() if k in known})
 
 
 def _is_hf_causal_lm(model: Any) -> bool:
@@ -270,8 +276,8 @@ def _rope_theta(cfg: Any) -> float:
 class _CallState:
     """Per-forward settings and results shared by the wrapper and its patched attention modules."""
 
-    def __init__(self, sel: MSAConfig, settings: MSASettings) -> None:
-        self.sel = sel
+    def __init__(self, cfg: MSAConfig, settings: MSASettings) -> None:
+        self.cfg = cfg
         self.settings = settings
         self.mode = settings.mode
         self.compute_kl = False
@@ -290,13 +296,13 @@ def _capture_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:
     module.__dict__["_msakit_hf_cache"] = kwargs.get("cache", kwargs.get("past_key_values"))
 
 
-def _index_project(module: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, sel: MSAConfig):
+def _index_project(module: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, cfg: MSAConfig):
     B, T, _ = hidden.shape
     h = hidden.detach()  # stop-gradient: the KL never reaches the backbone through the indexer input
-    G, Di = sel.num_kv_heads, sel.index_dim
+    G, Di = cfg.num_kv_heads, cfg.index_dim
     q_idx = module.index_q_norm(module.index_q_proj(h).view(B, T, G, Di))
     k_idx = module.index_k_norm(module.index_k_proj(h).view(B, T, 1, Di))
-    cos, sin = rope_cos_sin(positions, sel.rotary_dim, sel.rope_theta)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     return apply_partial_rope(q_idx, cos, sin), apply_partial_rope(k_idx, cos, sin).squeeze(2)
 
 
@@ -316,10 +322,11 @@ def _held_index_keys(hf_cache: Any, layer: int, k_idx: torch.Tensor, past: int) 
 def _msa_attention_interface(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention interface "msakit_msa": HF's q/k/v [B, H, T, D] after RoPE.
 
-    Three ways in: the wrapper's cached forward (a msakit cache: HF ran without its own, q/k/v
-    are the new positions'; the cache writes and attends), HF's own cache (plain transformers
-    generate: key/value hold every position; the index keys are kept beside HF's cache), or a
-    full sequence (training, prefill: `msa_attend`)."""
+    Three ways in, each through the attention core (`msakit.nn.core.attend`): the wrapper's cached
+    forward (a msakit cache: HF ran without its own, q/k/v are the new positions'; the cache
+    stores them and the core attends its view), HF's own cache (plain transformers generate:
+    key/value hold every position; the index keys are kept beside HF's cache), or a full sequence
+    (training, prefill)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     st: _CallState | None = module.__dict__.get("_msakit_state")
@@ -332,53 +339,43 @@ def _msa_attention_interface(module, query, key, value, attention_mask, dropout=
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
     Tq, Tk = q.shape[1], k.shape[1]
-    sel = st.sel
+    cfg = st.cfg
     if st.cache is not None:
         if scaling is not None and abs(scaling * math.sqrt(q.shape[-1]) - 1.0) > 1e-6:
             raise ValueError(f"msakit's caches attend with scale 1/sqrt(head_dim); this model uses {scaling}")
-        q_idx, k_idx = _index_project(module, hidden, st.positions, sel)
+        q_idx, k_idx = _index_project(module, hidden, st.positions, cfg)
         st.cache.write(layer, k, v, k_idx)
-        return st.cache.attend(layer, q, q_idx, sel, st.mode), None
+        return attend(q, q_idx, st.cache.view(layer), cfg.selection, mode=st.mode)[0], None
     positions = st.positions
     if positions is None:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(Tk - Tq, Tk, device=q.device).unsqueeze(0)
-    q_idx, k_idx = _index_project(module, hidden, positions, sel)
+    q_idx, k_idx = _index_project(module, hidden, positions, cfg)
     if hf_cache is not None:
         k_idx = _held_index_keys(hf_cache, layer, k_idx, Tk - Tq)
         if Tq != Tk:
             if st.mode == "sparse":
-                return msa_attend(q, k, v, q_idx, k_idx, sel, mode="sparse", compute_kl=False, softmax_scale=scaling)[0], None
+                return attend(q, q_idx, HeldKeys(k, v, k_idx), cfg.selection, mode="sparse", softmax_scale=scaling)[0], None
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
     elif Tq != Tk:
         raise ValueError(f"{Tk} keys for {Tq} queries without a cache")
     segments = st.segments or [(0, Tq)]  # the HF model called directly, not through the wrapper
-    select = None
+    block_idx = None
     if st.policy is not None and st.mode == "sparse":
         if len(segments) > 1:
             raise ValueError("a selection policy takes one unpacked sequence per row")
-        select = lambda qi, ki: st.policy(layer, q, k, qi, ki, sel)  # noqa: E731
-    if st.mode == "dense" and len(segments) == 1:
-        o, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        kl = bidx = None
-        if st.want_inputs or (st.compute_kl and sel.kl_tokens == "selected"):
-            with torch.no_grad():
-                bidx = ops.index_topk(q_idx, k_idx, block_size=sel.block_size, topk=sel.topk,
-                                      local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
-        if st.compute_kl:
-            kl = ops.index_kl_loss(q, k, q_idx, k_idx, bidx, block_size=sel.block_size, softmax_scale=scaling,
-                                   over=sel.kl_tokens)
-    else:
-        o, kl, bidx = msa_attend(q, k, v, q_idx, k_idx, sel, mode=st.mode, compute_kl=st.compute_kl,
-                                 need_block_idx=st.want_inputs, segments=segments, softmax_scale=scaling,
-                                 select=select)
+        with torch.no_grad():
+            block_idx = st.policy(layer, q, k, q_idx, k_idx, cfg.selection)
+    o, kl, bidx = attend(q, q_idx, HeldKeys(k, v, k_idx), cfg.selection, mode=st.mode, compute_kl=st.compute_kl,
+                         kl_tokens=cfg.kl_tokens, need_block_idx=st.want_inputs, segments=segments,
+                         softmax_scale=scaling, block_idx=block_idx)
     if kl is not None:
         st.kls.append(kl)
     if st.want_inputs:
         st.inputs[layer] = dict(q=q.detach(), k=k.detach(), q_idx=q_idx.detach(), k_idx=k_idx.detach(), block_idx=bidx,
-                                **selection_info(sel, segments))
+                                **selection_info(cfg.selection, segments))
     return o, None
 
 
@@ -405,8 +402,7 @@ def msa_config(hf_config: Any, settings: MSASettings) -> MSAConfig:
     return MSAConfig(
         hidden_size=hf_config.hidden_size, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
         index_dim=settings.index_head_dim, rotary_dim=settings.rotary_dim, rope_theta=settings.rope_theta,
-        rms_norm_eps=settings.rms_norm_eps, block_size=settings.block_size, topk=settings.topk_blocks,
-        local_blocks=settings.local_blocks, init_blocks=settings.init_blocks,
+        rms_norm_eps=settings.rms_norm_eps, selection=settings.selection,
     )
 
 
@@ -530,22 +526,23 @@ class MSAWrappedModel(nn.Module):
         self.set_attention_mode(self.settings.mode)
 
     @property
-    def sel(self) -> MSAConfig:
-        return self._state.sel
+    def msa_config(self) -> MSAConfig:
+        """The converted layers' shape and selection settings (every converted layer has the same)."""
+        return self._state.cfg
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def wrap(cls, hf_model: nn.Module, *, index_head_dim=None, block_size=None, topk_blocks=None, local_blocks=None,
+    def wrap(cls, hf_model: nn.Module, *, index_head_dim=None, block_size=None, topk=None, local_blocks=None,
              init_blocks=None, rotary_dim=None, layers=None, seed: int = 0) -> "MSAWrappedModel":
         cfg = hf_model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         di = index_head_dim if index_head_dim is not None else head_dim
         rot = rotary_dim if rotary_dim is not None else min(64, di // 2, head_dim) // 2 * 2
         settings = MSASettings(
-            index_head_dim=di, block_size=block_size if block_size is not None else 128,
-            topk_blocks=topk_blocks if topk_blocks is not None else 16,
-            local_blocks=1 if local_blocks is None else local_blocks,
-            init_blocks=init_blocks if init_blocks is not None else 0, rotary_dim=rot,
+            index_head_dim=di,
+            selection=Selection(128 if block_size is None else block_size, 16 if topk is None else topk,
+                                1 if local_blocks is None else local_blocks, 0 if init_blocks is None else init_blocks),
+            rotary_dim=rot,
             rope_theta=_rope_theta(cfg), rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
             layers=None if layers is None else sorted(set(layers)), mode="dense",
         )
@@ -569,7 +566,7 @@ class MSAWrappedModel(nn.Module):
         """The index KL over the "selected" tokens (default) or over "all" causal tokens."""
         if tokens not in KL_TOKENS:
             raise ValueError(f"tokens must be one of {KL_TOKENS}, got {tokens!r}")
-        self._state.sel = dataclasses.replace(self._state.sel, kl_tokens=tokens)
+        self._state.cfg = dataclasses.replace(self._state.cfg, kl_tokens=tokens)
 
     def index_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The index branches' parameters (name as in named_parameters(), parameter)."""
@@ -597,7 +594,7 @@ class MSAWrappedModel(nn.Module):
             self.hf.gradient_checkpointing_disable()
             return
         st = self._state
-        keys = ("compute_kl", "want_inputs", "segments", "positions", "mode", "sel", "policy")
+        keys = ("compute_kl", "want_inputs", "segments", "positions", "mode", "cfg", "policy")
 
         def context_fn():
             saved = {k: getattr(st, k) for k in keys}
@@ -647,13 +644,14 @@ class MSAWrappedModel(nn.Module):
                 raise ValueError("a cached forward takes no cu_seqlens, labels or return_attn_inputs")
             if len(self.settings.layers) != len(self.hf.model.layers):
                 raise ValueError("a cached forward needs an index branch in every layer (settings.layers)")
-            pos = positions if positions is not None else cache.positions(B, T, input_ids.device)
+            placed = cache.begin(B, T, input_ids.device)
+            pos = placed if positions is None else positions
             st.cache, st.positions, st.segments = cache, pos, [(0, T)]
             try:
                 out = self.hf(input_ids=input_ids, position_ids=pos, use_cache=False, logits_to_keep=logits_to_keep)
             finally:
                 st.cache, st.positions, st.segments = None, None, []
-            cache.advance(T)
+            cache.end()
             return M3Output(logits=out.logits)
         segments = document_segments(cu_seqlens, B, T)
         position_ids = positions
@@ -681,14 +679,6 @@ class MSAWrappedModel(nn.Module):
             logits=logits, loss=loss, kl=kl, expert_load=torch.zeros(0, 0, device=logits.device),
             attn_inputs=attn_inputs, hidden_states=list(out.hidden_states) if output_hidden_states else None,
         )
-
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
-        """Cached generation (`msakit.generate.generate` with the contiguous `KVCache`); takes its
-        keyword arguments (temperature, top_k, top_p, generator, streamer, eos_token_id, ...)."""
-        from msakit.generate import generate
-
-        kwargs.setdefault("cache", "contiguous")
-        return generate(self, input_ids, max_new_tokens, **kwargs)
 
     # -- I/O ---------------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike[str], *, tokenizer: Any = None, **kwargs: Any) -> None:
@@ -750,7 +740,7 @@ def init_index_from_qk(model: nn.Module) -> None:
     (rotary_dim = head_dim, which `convert_dense_to_msa(index_init="qk")` picks)."""
     if isinstance(model, MSAWrappedModel):
         attns = [model.hf.model.layers[i].self_attn for i in model.settings.layers]
-        sel = model.sel
+        sel = model.msa_config
     elif isinstance(model, M3ForCausalLM):
         attns = model.msa_layers()
         if not attns:

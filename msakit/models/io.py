@@ -24,7 +24,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+
+from msakit.models.config import M3Config
 
 __all__ = [
     "SINGLE_FILE",
@@ -112,7 +116,6 @@ def save_tensors(
     """Write (name, tensor) pairs as safetensors into `folder` (single file or shards + index,
     replacing an earlier checkpoint's weight files); returns the files written.  Also used by
     msakit.quant.checkpoint for packed (quantized) tensors."""
-    from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -145,7 +148,6 @@ def save_tensors(
 
 def weight_files(folder: str | os.PathLike[str]) -> dict[str, list[str]]:
     """{file path: [tensor names]} of a single-file or sharded safetensors checkpoint."""
-    from safetensors import safe_open
 
     folder = Path(folder)
     index = folder / INDEX_FILE
@@ -220,7 +222,6 @@ def name_problems(missing: Iterable[str], unexpected: Iterable[str]) -> list[str
 
 def targets_in_files(files: Mapping[str, list[str]], targets: Mapping[str, Any]) -> Iterator[tuple[Any, str, str]]:
     """(open safetensors file, checkpoint name, model name) for each checkpoint tensor the model takes."""
-    from safetensors import safe_open
 
     for fpath, names in files.items():
         with safe_open(fpath, framework="pt") as f:
@@ -291,8 +292,6 @@ def load_pretrained(cls: Any, path: str | os.PathLike[str], *, device: Any = Non
                     mode: str = "sparse") -> Any:
     """Build on the meta device, materialise on `device` (CPU default) in `dtype` (float32 default;
     the router stays float32) and load the weights."""
-    from msakit.models.config import M3Config
-
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found: {folder}")

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from msakit.cache.base import KVCacheProtocol
 from msakit.models.config import M3Config
+from msakit.models.io import load_pretrained, save_pretrained
 from msakit.nn.attention import INDEX_MODULES, KL_TOKENS, MODES, MSAAttention, MSAConfig
 from msakit.nn.mlp import SwiGLUMLP
 from msakit.nn.moe import MoE
@@ -136,8 +137,7 @@ def msa_config(cfg: M3Config) -> MSAConfig:
     return MSAConfig(
         hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim, index_dim=cfg.index_head_dim, rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks,
-        local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
+        rms_norm_eps=cfg.rms_norm_eps, selection=cfg.selection,
     )
 
 
@@ -261,8 +261,8 @@ class M3ForCausalLM(nn.Module):
 
     def set_selection_policy(self, policy: Callable[..., torch.Tensor] | None) -> None:
         """Replace the indexer's selection in every MSA layer's full-sequence forward (evaluation):
-        policy(layer_idx, q [B,T,Hq,D], k [B,T,G,D], q_idx, k_idx, cfg) -> block_idx int32
-        [B, G, T, K] in cfg.block_size blocks; None restores the indexer.  Decoding with a cache
+        policy(layer_idx, q [B,T,Hq,D], k [B,T,G,D], q_idx, k_idx, sel) -> block_idx int32
+        [B, G, T, K] in blocks of sel.block_size (sel: the layer's `Selection`); None restores the indexer.  Decoding with a cache
         always uses the indexer."""
         if policy is not None and not callable(policy):
             raise ValueError(f"policy must be callable or None, got {type(policy).__name__}")
@@ -336,8 +336,8 @@ class M3ForCausalLM(nn.Module):
                 raise ValueError("cache: cu_seqlens and return_attn_inputs are for full-sequence forwards only")
             segments = None
             compute_kl = False
-            if positions is None:
-                positions = cache.positions(B, T, input_ids.device)
+            placed = cache.begin(B, T, input_ids.device)
+            positions = placed if positions is None else positions
         else:
             segments = document_segments(cu_seqlens, B, T)
             if positions is None and len(segments) > 1:
@@ -369,7 +369,7 @@ class M3ForCausalLM(nn.Module):
             if i in want:
                 tapped[want[i]] = h
         if cache is not None:
-            cache.advance(T)
+            cache.end()
         hk = h[:, -logits_to_keep:] if 0 < logits_to_keep < T else h
         logits = self.lm_head(self.model.norm(hk))
         tap = torch.cat(tapped, dim=-1) if tapped else None
@@ -398,8 +398,6 @@ class M3ForCausalLM(nn.Module):
     # -- I/O ---------------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike[str], *, max_shard_size: int | str = "5GB") -> None:
         """config.json + safetensors under the HF MiniMax-M3 names (sharded above max_shard_size)."""
-        from msakit.models.io import save_pretrained
-
         save_pretrained(self, path, max_shard_size=max_shard_size)
 
     @classmethod
@@ -408,19 +406,7 @@ class M3ForCausalLM(nn.Module):
         *, mode: str = "sparse",
     ) -> "M3ForCausalLM":
         """Load config.json + safetensors (single file or sharded; optional `language_model.` prefix)."""
-        from msakit.models.io import load_pretrained
-
         return load_pretrained(cls, path, device=device, dtype=dtype, mode=mode)
-
-    # -- generation --------------------------------------------------------------------------
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
-        """Sample `max_new_tokens` after input_ids [B, T] with a KV cache -> [B, T + n]:
-        `msakit.generate.generate(self, input_ids, max_new_tokens, **kwargs)`, whose keyword
-        arguments (temperature, top_k, top_p, generator, streamer, eos_token_id, cache, cuda_graph,
-        ...) it takes.  cache "auto": paged + msa_decode on CUDA when supported, else contiguous."""
-        from msakit.generate import generate
-
-        return generate(self, input_ids, max_new_tokens, **kwargs)
 
     def parameter_counts(self) -> dict[str, int]:
         return parameter_counts(self)

@@ -18,9 +18,9 @@ import json
 from importlib import resources
 from typing import Any, Callable
 
-from msakit.models.config import PRESETS, M3Config
+__all__ = ["PRESETS", "built_preset", "fixture_dict", "FIXTURE_PRESETS"]
 
-__all__ = ["get_preset", "PRESETS", "preset_names"]
+PRESETS = ("tiny", "small", "minimax-m3", "minimax-m3.1-flash")
 
 
 def _built(L: int, **sizes: Any) -> dict[str, Any]:
@@ -53,8 +53,17 @@ _BUILT: dict[str, tuple[Callable[[int], dict[str, Any]], int]] = {"tiny": (_tiny
 _FILES = {"minimax-m3": "minimax-m3.json", "minimax-m3.1-flash": "minimax-m3.1-flash.json"}
 
 
-def preset_names() -> tuple[str, ...]:
-    return PRESETS
+FIXTURE_PRESETS = tuple(_FILES)
+
+
+def built_preset(name: str, num_hidden_layers: int | None = None) -> dict[str, Any]:
+    """The fields (M3Config names) of the built preset `name` ("tiny", "small") with
+    `num_hidden_layers` layers (default the preset's), its per-layer lists in the preset's pattern."""
+    build, default_layers = _BUILT[name]
+    L = default_layers if num_hidden_layers is None else num_hidden_layers
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+        raise ValueError(f"num_hidden_layers must be a positive integer, got {L!r}")
+    return build(L)
 
 
 def fixture_dict(name: str) -> dict[str, Any]:
@@ -64,30 +73,3 @@ def fixture_dict(name: str) -> dict[str, Any]:
     except KeyError:
         raise ValueError(f"unknown fixture preset {name!r}; known: {', '.join(_FILES)}") from None
     return json.loads(text)
-
-
-def get_preset(name: str, **overrides: Any) -> M3Config:
-    """The preset `name` with `overrides` (M3Config field names) applied."""
-    key = str(name).lower()
-    if key in _BUILT:
-        build, default_layers = _BUILT[key]
-        L = overrides.get("num_hidden_layers", default_layers)
-        if isinstance(L, bool) or not isinstance(L, int) or L < 1:
-            raise ValueError(f"num_hidden_layers must be a positive integer, got {L!r}")
-        base = build(L)
-        if "num_key_value_heads" in overrides and "index_n_heads" not in overrides:
-            base["index_n_heads"] = overrides["num_key_value_heads"]
-        unknown = set(overrides) - set(M3Config.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown M3Config field(s) for preset {name!r}: {sorted(unknown)}")
-        base.update(overrides)
-        return M3Config(**base)
-    if key in _FILES:
-        cfg = M3Config.from_dict(fixture_dict(key))
-        if overrides:
-            unknown = set(overrides) - set(M3Config.__dataclass_fields__)
-            if unknown:
-                raise ValueError(f"unknown M3Config field(s) for preset {name!r}: {sorted(unknown)}")
-            cfg = cfg.replace(**overrides)
-        return cfg
-    raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")

@@ -3,51 +3,50 @@
 Data flow of one layer (training):
 
     hidden ──q/k/v_proj──> q [B,T,Hq,D], k, v [B,T,G,D] ──q/k_norm, partial RoPE──┐
-    hidden.detach() ──index_q/k_proj──> q_idx [B,T,G,Di], k_idx [B,T,Di] ──norm, RoPE──> index_topk
-                                                                             │ block_idx [B,G,T,K]
-    mode "sparse": o = sparse_attention(q, k, v, block_idx)        <────────┘
-    mode "dense":  o = dense causal attention (the warm-up / conversion mode)
-    kl = index_kl_loss(q, k, q_idx, k_idx, block_idx)  (P detached; grads reach the index branch only)
+    hidden.detach() ──index_q/k_proj──> q_idx [B,T,G,Di], k_idx [B,T,Di] ──norm, RoPE──┤
+                                                                                     v
+    msakit.nn.core.attend: index_topk -> block_idx [B,G,T,K] -> sparse_attention (mode "sparse")
+                           or dense causal attention (mode "dense": the warm-up / conversion mode);
+                           index_kl_loss on the same selection (P detached: grads reach the index
+                           branch only)
 
 In dense mode the indexer still learns: it selects blocks with its own top-k and the KL is taken
-over those selected tokens, exactly as in sparse mode (or over every causal token with the
-config's `kl_tokens="all"`); only the main branch's output ignores the selection.  This is the seed's full-attention warm-up.  The index branch reads `hidden.detach()`
-(the seed's stop-gradient on the indexer's input), and P is detached inside `index_kl_loss`, so
-the KL term never reaches the backbone.
+over those selected tokens (or over every causal token with `kl_tokens="all"`); only the main
+branch's output ignores the selection.  This is the seed's full-attention warm-up.  The index
+branch reads `hidden.detach()` (the seed's stop-gradient on the indexer's input), and P is
+detached inside `index_kl_loss`, so the KL term never reaches the backbone.
 
 Decoding uses the same module with a cache (`msakit.cache.KVCacheProtocol`): the new positions'
-k, v and index keys are written into it, and the cache attends (dense, or MSA: the indexer's top-k
-blocks over every held index key) -- contiguous, paged (`msa_decode`) and speculative caches alike.
+k, v and index keys are written into it and the core attends its view (dense, or MSA: the
+indexer's top-k blocks over every held index key) -- contiguous, paged and speculative caches alike.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from msakit import ops
-from msakit.ops.index_topk.reference import index_topk_reference
-from msakit.ops.sparse_attention.reference import sparse_attention_reference
+from msakit.cache.base import HeldKeys, KVCacheProtocol
+from msakit.nn.core import KL_TOKENS, MODES, attend, selection_info
 from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
+from msakit.ops.index_topk import Selection
 
-if TYPE_CHECKING:
-    from msakit.cache.base import KVCacheProtocol
+__all__ = ["MSAConfig", "MSAAttention", "GQAProjections", "MODES", "KL_TOKENS", "INDEX_MODULES"]
 
-MODES = ("dense", "sparse")
-KL_TOKENS = ("selected", "all")
 # the index branch's modules under an attention module (HF MiniMax-M3 names)
 INDEX_MODULES = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 
 
 @dataclass
 class MSAConfig:
-    """Shape and selection settings of one MSA layer (HF MiniMax-M3 names in comments)."""
+    """Shape and selection settings of one MSA layer (HF MiniMax-M3 names in comments).  The
+    selection (`sparse_block_size`, `sparse_topk_blocks`, `sparse_local_block`,
+    `sparse_init_block`) is one `Selection`."""
 
     hidden_size: int
     num_heads: int  # num_attention_heads
@@ -57,14 +56,11 @@ class MSAConfig:
     rotary_dim: int = 64
     rope_theta: float = 1e7
     rms_norm_eps: float = 1e-6
-    block_size: int = 128  # sparse_block_size
-    topk: int = 16  # sparse_topk_blocks
-    local_blocks: int = 1  # sparse_local_block
-    init_blocks: int = 0  # sparse_init_block
+    selection: Selection = field(default_factory=Selection)
     kl_tokens: str = "selected"  # the KL over the selected tokens or over "all" causal tokens
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "index_dim", "block_size", "topk"):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "index_dim"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -72,106 +68,10 @@ class MSAConfig:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if not (0 <= self.rotary_dim <= min(self.head_dim, self.index_dim)) or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim and index_dim")
-        from msakit.ops.index_topk import check_selection
-
-        check_selection(self.block_size, self.topk, self.local_blocks, self.init_blocks)
+        if not isinstance(self.selection, Selection):
+            raise ValueError(f"selection must be a Selection, got {type(self.selection).__name__}")
         if self.kl_tokens not in KL_TOKENS:
             raise ValueError(f"kl_tokens must be one of {KL_TOKENS}, got {self.kl_tokens!r}")
-
-
-
-def msa_attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_idx: torch.Tensor | None,
-    k_idx: torch.Tensor | None,
-    sel: MSAConfig,
-    *,
-    mode: str,
-    compute_kl: bool,
-    need_block_idx: bool = False,
-    segments: Sequence[tuple[int, int]] | None = None,
-    softmax_scale: float | None = None,
-    select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One layer's attention core on projected tensors (full sequences: training, prefill; or the
-    last T of Tk held positions: a cache's later steps).
-
-    q [B,T,Hq,D], k/v [B,Tk,G,D], q_idx [B,T,G,Di] / k_idx [B,Tk,Di] (None: a dense layer without an
-    index branch).  With Tk > T (no KL, no block ids, no packing): sparse mode with an index branch
-    selects with the indexer's reference over every held index key and attends those blocks (the
-    reference ops take T < Tk); otherwise every key with a bottom-right causal mask (SDPA).
-
-    Returns (o [B,T,Hq,D], KL term or None, block_idx [B,G,T,K] or None).  The selection
-    (`select(q_idx, k_idx)`, default `ops.index_topk` with sel's settings) is made when the mode
-    is "sparse", the KL is wanted (over the selected tokens) or `need_block_idx`; per document
-    when `segments` has several entries (KL averaged over all query rows).
-    """
-    T, Tk = q.shape[1], k.shape[1]
-    if T != Tk:  # the queries of the last T of Tk held positions (a cache's later steps)
-        if T > Tk or compute_kl or need_block_idx or (segments is not None and len(segments) > 1):
-            raise ValueError(f"{T} queries over {Tk} keys: the queries must be the last positions, without "
-                             "KL, block ids or packed documents")
-        scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-        if mode == "sparse" and q_idx is not None:
-            bi = index_topk_reference(q_idx, k_idx, block_size=sel.block_size, topk=sel.topk,
-                                      local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
-            return sparse_attention_reference(q, k, v, bi, block_size=sel.block_size, softmax_scale=scale), None, None
-        rep = q.shape[2] // k.shape[2]
-        qh = q.transpose(1, 2)
-        kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
-        vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
-        rows = torch.arange(Tk - T, Tk, device=q.device).view(-1, 1)
-        mask = torch.arange(Tk, device=q.device).view(1, -1) <= rows  # bottom-right causal
-        o = F.scaled_dot_product_attention(qh, kh.to(qh.dtype), vh.to(qh.dtype), attn_mask=mask, scale=scale)
-        return o.transpose(1, 2), None, None
-    segments = segments or [(0, T)]
-    has_index = q_idx is not None
-    kl_all = sel.kl_tokens == "all"
-    do_select = has_index and (mode == "sparse" or (compute_kl and not kl_all) or need_block_idx)
-    if select is None:
-        def select(qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return ops.index_topk(qi, ki, block_size=sel.block_size, topk=sel.topk,
-                                      local_blocks=sel.local_blocks, init_blocks=sel.init_blocks)
-    outs, bidxs = [], []
-    kl = None
-    for s, e in segments:
-        whole = (s, e) == (0, T)
-        qs, ks, vs = (q, k, v) if whole else (q[:, s:e], k[:, s:e], v[:, s:e])
-        bi = None
-        if do_select:
-            qis, kis = (q_idx, k_idx) if whole else (q_idx[:, s:e], k_idx[:, s:e])
-            bi = select(qis, kis)
-            bidxs.append(bi)
-        if mode == "sparse" and bi is not None:
-            o = ops.sparse_attention(qs, ks, vs, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
-        else:
-            o = ops.dense_attention(qs, ks, vs, softmax_scale=softmax_scale)
-        outs.append(o)
-        if compute_kl and has_index:
-            if not do_select:
-                qis, kis = (q_idx, k_idx) if whole else (q_idx[:, s:e], k_idx[:, s:e])
-            term = ops.index_kl_loss(qs, ks, qis, kis, bi, block_size=sel.block_size, softmax_scale=softmax_scale,
-                                     over=sel.kl_tokens)
-            term = term if whole else term * ((e - s) / T)
-            kl = term if kl is None else kl + term
-    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    block_idx = None
-    if bidxs:
-        block_idx = bidxs[0] if len(bidxs) == 1 else torch.cat(bidxs, dim=2)
-    return o, kl, block_idx
-
-
-def selection_info(sel: MSAConfig, segments: Sequence[tuple[int, int]] | None) -> dict[str, Any]:
-    """The selection settings stored beside each layer's attn_inputs (block ids are relative to
-    each document's start when the batch was packed: `cu_seqlens` is then given too)."""
-    info: dict[str, Any] = dict(block_size=sel.block_size, topk=sel.topk, local_blocks=sel.local_blocks,
-                                init_blocks=sel.init_blocks)
-    if segments is not None and len(segments) > 1:
-        info["cu_seqlens"] = torch.tensor([0] + [e for _, e in segments], dtype=torch.int32)
-    return info
 
 
 class GQAProjections(nn.Module):
@@ -208,11 +108,11 @@ class MSAAttention(GQAProjections):
         super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         self.cfg = cfg
         self.layer_idx = int(layer_idx)  # this layer's slot in a cache shared by all layers
-        # full-sequence attention hook: None (`msa_attend`) or an object whose `attend` takes
-        # msa_attend's arguments (context parallelism: msakit.distributed.ContextParallel)
+        # full-sequence attention hook: None (`msakit.nn.core.attend`) or an object whose `attend`
+        # takes the core's arguments (context parallelism: msakit.distributed.ContextParallel)
         self.context = None
         # selection override for evaluation: None (the indexer) or
-        # fn(layer_idx, q, k, q_idx, k_idx, cfg) -> block_idx int32 [B, G, T, K] (`set_selection_policy`)
+        # fn(layer_idx, q, k, q_idx, k_idx, sel) -> block_idx int32 [B, G, T, K] (`set_selection_policy`; sparse mode)
         self.selection_policy: Callable[..., torch.Tensor] | None = None
         self.index_branch = bool(index_branch)
         self.mode = mode if self.index_branch else "dense"
@@ -265,41 +165,40 @@ class MSAAttention(GQAProjections):
         q_idx, k_idx = apply_partial_rope(q_idx, cos, sin), apply_partial_rope(k_idx, cos, sin).squeeze(2)
         return q, k, v, q_idx, k_idx
 
-    def select(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
-        """The indexer's top-k blocks: q_idx [B,T,G,Di], k_idx [B,T,Di] -> block_idx int32 [B,G,T,K]."""
-        c = self.cfg
-        with torch.no_grad():
-            return ops.index_topk(
-                q_idx, k_idx, block_size=c.block_size, topk=c.topk, local_blocks=c.local_blocks, init_blocks=c.init_blocks
-            )
-
-    def _selector(self, q: torch.Tensor, k: torch.Tensor, segments: Sequence[tuple[int, int]] | None):
-        """The selection msa_attend uses: the indexer, or the selection policy (whole sequences only)."""
+    def _policy_selection(self, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor | None,
+                          k_idx: torch.Tensor | None, segments: Sequence[tuple[int, int]] | None) -> torch.Tensor | None:
+        """The selection policy's block ids (per document of a packed batch, ids relative to each
+        document's start), or None without a policy or in dense mode."""
         policy = self.selection_policy
-        if policy is None:
-            return self.select
-        if self.context is not None or (segments is not None and len(segments) > 1):
-            raise ValueError("a selection policy takes one unpacked sequence per row, without context parallelism")
-        return lambda qi, ki: policy(self.layer_idx, q, k, qi, ki, self.cfg)
+        if policy is None or self.mode != "sparse":
+            return None
+        if self.context is not None:
+            raise ValueError("a selection policy does not run under context parallelism")
+        sl = lambda t, s, e: None if t is None else t[:, s:e]  # noqa: E731
+        with torch.no_grad():
+            parts = [policy(self.layer_idx, q[:, s:e], k[:, s:e], sl(q_idx, s, e), sl(k_idx, s, e), self.cfg.selection)
+                     for s, e in (segments or [(0, q.shape[1])])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def forward(
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor | None = None,
         *,
-        cache: "KVCacheProtocol | None" = None,
+        cache: KVCacheProtocol | None = None,
         segments: Sequence[tuple[int, int]] | None = None,
         compute_kl: bool = True,
         want_inputs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any] | None]:
         """hidden [B,T,H] -> (out [B,T,H], KL term (scalar) or None, attention inputs or None).
 
-        Without a cache (training, full sequences): `msa_attend` (or `self.context.attend` when a
-        context is set) over the T positions (per document with `segments`), the KL term when `compute_kl` and the layer has an index
-        branch, the detached q, k, q_idx, k_idx, block_idx and selection settings with
-        `want_inputs`.  With a cache (`msakit.cache.KVCacheProtocol`): the new positions' k, v and
-        index keys are written into it and q attends everything it holds for layer `layer_idx`
-        (dense or MSA by `mode`); no KL, no inputs."""
+        Without a cache (training, full sequences): the core (`msakit.nn.core.attend`, or
+        `self.context.attend` when a context is set) over the T positions (per document with
+        `segments`), the KL term when `compute_kl` and the layer has an index branch, the detached
+        q, k, q_idx, k_idx, block_idx and selection settings with `want_inputs`.  With a cache
+        (`msakit.cache.KVCacheProtocol`): the new positions' k, v and index keys are written into
+        it and the core attends its view of layer `layer_idx` (dense or MSA by `mode`); no KL, no
+        inputs."""
         c = self.cfg
         B, T = hidden.shape[:2]
         # dense attention without the KL or the inputs reads no index keys: not computed (a cache
@@ -308,17 +207,17 @@ class MSAAttention(GQAProjections):
         q, k, v, q_idx, k_idx = self.project(hidden, positions, with_index=with_index)
         kl = inputs = None
         if cache is None:
-            attend = msa_attend if self.context is None else self.context.attend
-            o, kl, bidx = attend(q, k, v, q_idx, k_idx, c, mode=self.mode, compute_kl=compute_kl,
-                                 need_block_idx=want_inputs, segments=segments,
-                                 select=self._selector(q, k, segments))
+            core = attend if self.context is None else self.context.attend
+            o, kl, bidx = core(q, q_idx, HeldKeys(k, v, k_idx), c.selection, mode=self.mode, compute_kl=compute_kl,
+                               kl_tokens=c.kl_tokens, need_block_idx=want_inputs, segments=segments,
+                               block_idx=self._policy_selection(q, k, q_idx, k_idx, segments))
             if want_inputs:
                 det = lambda t: None if t is None else t.detach()  # noqa: E731
                 inputs = dict(q=det(q), k=det(k), q_idx=det(q_idx), k_idx=det(k_idx), block_idx=bidx,
-                              **selection_info(c, segments))
+                              **selection_info(c.selection, segments))
         else:
             cache.write(self.layer_idx, k, v, k_idx)
-            o = cache.attend(self.layer_idx, q, q_idx, c, self.mode)
+            o = attend(q, q_idx, cache.view(self.layer_idx), c.selection, mode=self.mode)[0]
         return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim)), kl, inputs
 
     def reset_parameters(self, std: float = 0.02) -> None:

@@ -22,6 +22,7 @@ autograd on CUDA, at most `FEW_PAIRS` (token, expert) pairs (decoding) skip the 
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from msakit.nn.mlp import SwiGLUMLP, swiglu_oai
 from msakit.ops.dispatch import use_triton
 from msakit.ops.moe import routed_experts
 
-__all__ = ["route", "grouped_mm", "grouped_mm_ok", "grouped_mm_failed", "compute_dtype", "GroupedExperts", "MoE",
+__all__ = ["route", "grouped_mm", "grouped_mm_ok", "grouped_mm_failed", "grouped_mm_trial", "compute_dtype", "GroupedExperts", "MoE",
            "FEW_PAIRS"]
 
 # Most (token, expert) pairs of a call that run `routed_experts` (each pair reads its expert's
@@ -101,6 +102,17 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: tor
 
 # (device type, dtype) pairs where torch._grouped_mm raised: grouped_mm uses the padded bmm there.
 grouped_mm_failed: set[tuple[str, torch.dtype]] = set()
+
+
+@contextlib.contextmanager
+def grouped_mm_trial() -> Iterator[None]:
+    """A trial run (a CUDA-graph warm-up under a sync check): a failure of torch._grouped_mm
+    inside it does not mark that kernel failed for good."""
+    saved = set(grouped_mm_failed)
+    try:
+        yield
+    finally:
+        grouped_mm_failed.intersection_update(saved)
 
 
 def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -274,6 +286,21 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf).to(y.dtype)
         return y.to(x.dtype).reshape(shape), counts.detach().float()
+
+    def capture_blocker(self) -> str | None:
+        """Why this MoE's forward would sync with the host (no CUDA-graph capture), or None: the
+        experts' grouped GEMMs would take the padded-bmm fallback (its capacity is read on the host).
+        Expert subclasses (QAT, packed) are checked by the capture's warm-up instead."""
+        ex = self.experts
+        if type(ex) is not GroupedExperts:
+            return None
+        dt = compute_dtype(ex.w1.new_empty(0), ex.w1)  # GroupedExperts.forward's compute dtype
+        x = torch.empty(0, ex.hidden_size, dtype=dt, device=ex.w1.device)
+        ws = [torch.empty(w.shape, dtype=dt, device="meta").transpose(1, 2) for w in (ex.w1, ex.w3, ex.w2)]
+        if (x.device.type, dt) in grouped_mm_failed or not all(grouped_mm_ok(x, w) for w in ws):
+            return ("the MoE experts would use the padded-bmm fallback of grouped_mm (int(counts.max()): a host "
+                    "sync) instead of torch._grouped_mm")
+        return None
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float = 1e-3) -> None:

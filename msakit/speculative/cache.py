@@ -3,8 +3,8 @@
 The target's K, V [B, max_len, G, D] (and index keys [B, max_len, Di] of MSA layers) per layer,
 behind `msakit.cache.KVCacheProtocol`, and the drafter's context K, V per draft layer.  Rows
 advance by different amounts (accepted drafts), so attention masks by position: key j is
-visible to a query at position p iff j <= p; MSA layers in sparse mode select blocks exactly as
-`msakit.ops.index_topk`'s reference does, per row.  Rolling back is setting a smaller length.
+visible to a query at position p iff j <= p (the views are `HeldKeys` with the queries'
+positions, or the paged rows' views).  Rolling back is setting a smaller length.
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ from typing import Any, Sequence
 
 import torch
 
-from msakit.cache import KVCacheProtocol, PagedKVCache
-from msakit.cache.rows import PagedRows, masked_attention
+from msakit.cache import HeldKeys, KVCacheProtocol, PagedKeys, PagedKVCache, PagedRows, RollbackCache
 
 __all__ = ["SpecCache", "positions_check", "SPEC_CACHE_KINDS"]
 
 SPEC_CACHE_KINDS = ("auto", "contiguous", "paged")
 
 
-class SpecCache(KVCacheProtocol):
+class SpecCache(KVCacheProtocol, RollbackCache):
     """Contiguous per-row-length caches: the target's K, V [B, max_len, G, D] (and index keys
     [B, max_len, Di] of MSA layers) per layer, and the drafter's context K, V per draft layer.
 
@@ -29,9 +28,9 @@ class SpecCache(KVCacheProtocol):
     row are valid; positions at or beyond a row's length hold stale keys that masks ignore.
     Rolling back is setting a smaller length (`rollback` / `truncate`).
 
-    A target forward over it (`KVCacheProtocol`) starts with `begin(lengths, Lk)`: the new tokens
-    of row b go to positions lengths[b] + i (lengths a device tensor: no host read) and attention
-    covers the first Lk positions, masked by position.
+    A target forward over it (`KVCacheProtocol`) is placed first with `place(lengths, Lk)`: the new
+    tokens of row b go to positions lengths[b] + i (lengths a device tensor: no host read) and the
+    views cover the first Lk positions, the queries at their positions.
 
     With `rows` (a `msakit.cache.rows.PagedRows`, see `SpecCache.for_target`) the target's keys
     live in pages instead (k, v, k_idx stay None) and forwards of up to 8 new tokens per row attend
@@ -66,16 +65,16 @@ class SpecCache(KVCacheProtocol):
         if not paged:
             return cls(L, num_draft_layers, batch, max_len, device)
         msa = [l.self_attn for l in target.model.layers]
-        sel = msa[0].cfg
+        cfg = msa[0].cfg
         index_layers = [i for i, a in enumerate(msa) if a.index_branch]
         dt = kv_dtype or (target.dtype if target.dtype in (torch.float32, torch.float16, torch.bfloat16)
                           else torch.bfloat16)
-        ps = sel.block_size
+        ps = cfg.selection.block_size
         pages = batch * (-(-max_len // ps))
-        pool = PagedKVCache(L, pages, num_kv_heads=sel.num_kv_heads, head_dim=sel.head_dim,
-                            index_dim=sel.index_dim if index_layers else 0, page_size=ps, kv_dtype=dt, index_dtype=dt,
+        pool = PagedKVCache(L, pages, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                            index_dim=cfg.index_dim if index_layers else 0, page_size=ps, kv_dtype=dt, index_dtype=dt,
                             index_layers=index_layers, device=device)
-        rows = PagedRows(pool, batch, max_len, backend=backend, sel=sel, num_heads=sel.num_heads)
+        rows = PagedRows(pool, batch, max_len, backend=backend, sel=cfg.selection, num_heads=cfg.num_heads)
         return cls(L, num_draft_layers, batch, max_len, device, rows=rows)
 
     # ------------------------------------------------------------------ buffers
@@ -97,28 +96,27 @@ class SpecCache(KVCacheProtocol):
         self.dv[layer] = self._write(self.dv[layer], v, rows, pos, self.max_len)
 
     # ------------------------------------------------------------------ the protocol
-    def begin(self, lengths: torch.Tensor, num_keys: int) -> None:
+    def place(self, lengths: torch.Tensor, num_keys: int) -> None:
         """The next forward writes row b's new tokens at lengths[b] + i (int64 [B] on the device)
-        and attends the first num_keys positions (masked by position)."""
+        and views the first num_keys positions."""
         if lengths.shape != (self.batch,):
             raise ValueError(f"lengths must have shape [{self.batch}], got {tuple(lengths.shape)}")
         if not 0 < num_keys <= self.max_len:
             raise ValueError(f"num_keys must lie in [1, {self.max_len}], got {num_keys}")
         self._start, self._keys = lengths, int(num_keys)
         if self.rows is not None:
-            self.rows.begin(lengths, num_keys)
+            self.rows.place(lengths, num_keys)
 
-    def positions(self, batch: int, num_new: int, device: torch.device) -> torch.Tensor:
+    def begin(self, batch: int, num_new: int, device: torch.device) -> torch.Tensor:
         if self.rows is not None:
-            return self.rows.positions(batch, num_new, device)
+            return self.rows.begin(batch, num_new, device)
         if self._start is None:
-            raise ValueError("SpecCache: call begin(lengths, num_keys) before a forward")
+            raise ValueError("SpecCache: call place(lengths, num_keys) before a forward")
         if batch != self.batch:
             raise ValueError(f"SpecCache holds {self.batch} rows, got {batch}")
         pos = self._start.view(batch, 1) + torch.arange(num_new, device=device).view(1, num_new)
         self._pos = pos
         self._rows = torch.arange(batch, device=device).view(batch, 1).expand(batch, num_new)
-        self._causal = torch.arange(self._keys, device=device).view(1, 1, -1) <= pos.unsqueeze(-1)  # [B, Tq, Lk]
         return pos
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_idx: torch.Tensor | None) -> None:
@@ -126,13 +124,15 @@ class SpecCache(KVCacheProtocol):
             return self.rows.write(layer, k, v, k_idx)
         self.write_target(layer, k, v, k_idx, self._rows, self._pos)
 
-    def attend(self, layer: int, q: torch.Tensor, q_idx: torch.Tensor | None, sel, mode: str) -> torch.Tensor:
+    def view(self, layer: int) -> HeldKeys | PagedKeys:
         if self.rows is not None:
-            return self.rows.attend(layer, q, q_idx, sel, mode)
+            return self.rows.view(layer)
         Lk = self._keys
         ki = self.k_idx[layer]
-        return masked_attention(q, q_idx, self.k[layer][:, :Lk].transpose(1, 2), self.v[layer][:, :Lk].transpose(1, 2),
-                                None if ki is None else ki[:, :Lk], self._pos, self._causal, sel, mode)
+        return HeldKeys(self.k[layer][:, :Lk], self.v[layer][:, :Lk], None if ki is None else ki[:, :Lk], self._pos)
+
+    def end(self) -> None:
+        pass
 
     def truncate(self, lengths: int | Sequence[int]) -> None:
         self.rollback([lengths] * self.batch if isinstance(lengths, int) else lengths)

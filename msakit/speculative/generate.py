@@ -110,7 +110,7 @@ def _target_forward(target, cache: SpecCache, tokens: torch.Tensor, lengths: tor
                     taps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`target_forward` with the lengths [B] given as a device tensor and Lk keys attended (masked
     by position); reads no host length and updates no host state."""
-    cache.begin(lengths, Lk)
+    cache.place(lengths, Lk)
     out = target(tokens, cache=cache, taps=list(taps) if taps else None)
     return out.logits, out.taps
 
@@ -595,7 +595,7 @@ def speculative_generate(
     """Sample `max_new_tokens` after prompt [B, T] with DSpark speculative decoding -> tokens
     [B, T + n] (and a `SpecStats` with return_stats).
 
-    The output has exactly the distribution of `target.generate(prompt, max_new_tokens,
+    The output has exactly the distribution of `generate(target, prompt, max_new_tokens,
     temperature, top_k, top_p)` (greedy: the same tokens).  num_drafts (<= the drafter's block
     size, default all) drafts are verified per round; the block is always drafted whole.
     confidence_budget: verify only the prefix DSpark's scheduler picks (`budget_cost`: (fixed,

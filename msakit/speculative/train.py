@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from msakit.generate import generate
 from msakit.speculative.drafter import DSparkDrafter
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.data import IGNORE, Batch, PackedRows, RowLoader, eval_batches
@@ -216,7 +217,7 @@ def regenerate_rows(
     sampling) -> [B, T]: training text in the target's own distribution."""
     B, T = input_ids.shape
     P = max(1, min(prompt_tokens, T - 1))
-    out = target.generate(input_ids[:, :P], T - P, temperature=temperature, top_k=top_k, top_p=top_p,
+    out = generate(target, input_ids[:, :P], T - P, temperature=temperature, top_k=top_k, top_p=top_p,
                           generator=generator)
     return out[:, :T]
 
@@ -271,7 +272,7 @@ def regenerate_pool(
 
 def _write(target, prompts, T, temperature, top_k, top_p, gen):
     kw = {} if temperature == 0 else {"top_k": top_k, "top_p": top_p}
-    return target.generate(prompts, T - prompts.shape[1], temperature=temperature, generator=gen, **kw)[:, :T]
+    return generate(target, prompts, T - prompts.shape[1], temperature=temperature, generator=gen, **kw)[:, :T]
 
 
 def mix_streams(natural, pool, share: float):

@@ -105,6 +105,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from msakit.train.data import eval_batches, prepare_data
     from msakit.train.metrics import autocast_for
     from msakit.train.plots import write_plots
+    from msakit.generate import generate
     from msakit.train.run import TextStreamer, check_context, first_missing_ancestor
     from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, read_metrics, resolve_device
 
@@ -242,7 +243,7 @@ def run_demo(args: argparse.Namespace) -> int:
         gen = torch.Generator(device="cpu").manual_seed(args.seed)
         streamer = TextStreamer(tok, stream=_NullStream(), eos_id=tok.eos_id)
         with torch.no_grad(), autocast_for(device):
-            model.generate(torch.tensor([ids], device=device), max(0, n_new), temperature=0.8, top_k=40,
+            generate(model, torch.tensor([ids], device=device), max(0, n_new), temperature=0.8, top_k=40,
                            generator=gen, streamer=streamer, eos_token_id=tok.eos_id)
         sample = args.prompt + streamer.text()
         t_sample = time.time() - t0

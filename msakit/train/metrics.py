@@ -6,8 +6,9 @@ the full attention uses?).  For query i of group r:
     P(i, j)  = mean over the group's heads h of softmax_{j <= i}(q_h(i) . k_r(j) / sqrt(D))
     m(i, b)  = sum of P(i, j) over the tokens j of block b                (dense mass per block)
     recall   = sum of m(i, b) over the blocks the indexer selected        (block_idx row)
-    oracle   = the same sum over the k blocks with the most mass, the forced blocks (own block,
-               init blocks) included exactly as in `ops.index_topk`
+    oracle   = the same sum over the blocks the one selection rule picks by mass
+               (`msakit.ops.index_topk.rank_blocks` over `attention_block_mass`: the forced
+               blocks, then the most mass)
 
 averaged over (batch, group, query).  ``recall_far`` / ``oracle_far`` average only the queries
 that see more than k blocks, where selection actually drops something.  Computed in query chunks
@@ -23,6 +24,9 @@ from typing import Any, Sequence
 import torch
 
 from msakit import ops
+from msakit.models.convert import MSAWrappedModel
+from msakit.nn.attention import MSAAttention
+from msakit.ops.index_topk import attention_block_mass, rank_blocks
 
 _CHUNK_ELEMS = 1 << 24
 
@@ -44,18 +48,14 @@ def indexer_recall(
     Returns dict(recall, oracle, recall_far, oracle_far, far_queries); the *_far entries are NaN
     when no query sees more than k blocks.
     """
-    B, T, Hq, D = q.shape
+    B, T, Hq, _ = q.shape
     G = k.shape[2]
     if Hq % G:
         raise ValueError(f"Hq={Hq} must be a multiple of G={G}")
     if block_idx.shape[:3] != (B, G, T):
         raise ValueError(f"block_idx must have shape [B, G, T, K] = [{B}, {G}, {T}, K], got {tuple(block_idx.shape)}")
     K = topk if topk is not None else block_idx.shape[-1]
-    hpg = Hq // G
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
-    nb_all = (T + block_size - 1) // block_size
-    kf = k.float()
     C = max(1, min(T, _CHUNK_ELEMS // max(1, B * Hq * T)))
     tot = torch.zeros((), dtype=torch.float64, device=dev)
     tot_o = torch.zeros((), dtype=torch.float64, device=dev)
@@ -64,33 +64,20 @@ def indexer_recall(
     n_far = 0
     for i0 in range(0, T, C):
         i1 = min(T, i0 + C)
-        c = i1 - i0
         nb = (i1 - 1) // block_size + 1
-        J = nb * block_size
-        qc = q[:, i0:i1].float().view(B, c, G, hpg, D)
-        s = torch.einsum("bcghd,bjgd->bghcj", qc, kf[:, : min(T, J)]) * scale  # [B,G,h,c,j]
-        rows = torch.arange(i0, i1, device=dev).view(-1, 1)
-        cols = torch.arange(s.shape[-1], device=dev).view(1, -1)
-        s = s.masked_fill(cols > rows, float("-inf"))
-        p = torch.softmax(s, dim=-1).mean(dim=2)  # [B,G,c,j]
-        if p.shape[-1] < J:
-            p = torch.nn.functional.pad(p, (0, J - p.shape[-1]))
-        m = p.view(B, G, c, nb, block_size).sum(-1)  # [B,G,c,nb]
+        pos = torch.arange(i0, i1, device=dev).view(1, -1)
+        m = attention_block_mass(q[:, i0:i1], k[:, : min(T, nb * block_size)], pos, block_size=block_size,
+                                 softmax_scale=softmax_scale)  # [B,G,c,nb]
         sel = block_idx[:, :, i0:i1].long()
         ok = (sel >= 0) & (sel < nb)
         # invalid (-1) entries go to a spare column nb, so they never clear a real selection
         mask = torch.zeros(*m.shape[:-1], nb + 1, dtype=torch.bool, device=dev)
         mask.scatter_(-1, torch.where(ok, sel, torch.full_like(sel, nb)), True)
-        mask = mask[..., :nb]
-        rec = (m * mask).sum(-1)  # [B,G,c]
-        own = rows // block_size  # [c,1]
-        blocks = torch.arange(nb, device=dev).view(1, -1)
-        forced = ((blocks <= own) & (blocks > own - local_blocks)) | ((blocks < init_blocks) & (blocks <= own))
-        score = m.masked_fill(forced, 3.0).masked_fill(blocks > own, -1.0)
-        kk = min(K, nb)
-        top = score.topk(kk, dim=-1)
-        # forced blocks carry the sentinel 3.0 and invisible ones -1: sum the real mass of the valid picks
-        oracle = (torch.gather(m, -1, top.indices) * (top.values >= 0)).sum(-1)
+        rec = (m * mask[..., :nb]).sum(-1)  # [B,G,c]
+        ids = rank_blocks(m, pos, block_size=block_size, topk=K, local_blocks=local_blocks,
+                          init_blocks=init_blocks).long()
+        oracle = (torch.gather(m, -1, ids.clamp_min(0)) * (ids >= 0)).sum(-1)
+        own = pos.view(-1, 1) // block_size  # [c, 1]
         tot += rec.double().sum()
         tot_o += oracle.double().sum()
         is_far = (own.view(-1) + 1) > K  # [c]
@@ -119,14 +106,10 @@ def load_balance(expert_load: torch.Tensor | None) -> list[float]:
 
 
 def _msa_configs(model) -> list:
-    """The selection settings (MSAConfig) of each MSA layer, in layer order."""
-    from msakit.nn.attention import MSAAttention
-
-    cfgs = [m.cfg for m in model.modules() if isinstance(m, MSAAttention) and getattr(m, "index_branch", True)]
-    if not cfgs and getattr(model, "sel", None) is not None:  # a converted HF model: one setting for all layers
-        n = len(getattr(getattr(model, "settings", None), "layers", None) or [])
-        cfgs = [model.sel] * max(n, 1)
-    return cfgs
+    """The selection settings (`Selection`) of each MSA layer, in layer order."""
+    if isinstance(model, MSAWrappedModel):  # a converted HF model: one setting for all layers
+        return [model.msa_config.selection] * max(len(model.settings.layers or []), 1)
+    return [m.cfg.selection for m in model.modules() if isinstance(m, MSAAttention) and m.index_branch]
 
 
 def layer_metrics(model, attn_inputs: Sequence[dict | None] | None) -> list[dict[str, Any]]:
@@ -235,8 +218,6 @@ def _current_mode(model) -> str | None:
     mode = getattr(model, "attention_mode", None)
     if isinstance(mode, str):
         return mode
-    from msakit.nn.attention import MSAAttention
-
     for m in model.modules():
         if isinstance(m, MSAAttention) and getattr(m, "index_branch", True):
             return m.mode

@@ -825,7 +825,7 @@ def run_convert(args: argparse.Namespace) -> int:
     _check_folder_fits(folder, device, dtype.itemsize if train == "index" else TRAIN_BYTES_PER_PARAM)
     src = load_model_folder(folder, dtype=dtype)
     model = convert_dense_to_msa(src, index_head_dim=args.index_dim, block_size=args.block_size,
-                                 topk_blocks=args.topk, init_blocks=getattr(args, "init_blocks", None),
+                                 topk=args.topk, init_blocks=getattr(args, "init_blocks", None),
                                  index_init=getattr(args, "index_init", "random"), seed=args.seed)
     check_context(model.config, opts["context"])
     check_vocab(model, tok)
@@ -924,6 +924,7 @@ def load_drafter(path: Path, device):
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from msakit.generate import generate
     from msakit.train.metrics import autocast_for
     from msakit.train.tokenizer import Tokenizer
     from msakit.train.trainer import resolve_device
@@ -975,7 +976,7 @@ def run_generate(args: argparse.Namespace) -> int:
                   eos_token_id=tok.eos_id)
     with torch.no_grad(), autocast_for(device):
         if drafter is None:
-            model.generate(x, args.max_new_tokens, streamer=streamer, **sample,
+            generate(model, x, args.max_new_tokens, streamer=streamer, **sample,
                            **({"compile": True} if compile_step else {}))
         else:
             from msakit.speculative import speculative_generate

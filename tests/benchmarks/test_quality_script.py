@@ -101,9 +101,8 @@ def test_window_layer_runs_sparse_attention():
     a = m(ids, labels=ids).loss
     assert torch.isfinite(a) and not torch.allclose(a, dense)
     # the selection the layer uses is the window's
-    attn = m.model.layers[0].self_attn
-    qi = torch.zeros(1, 64, cfg.num_key_value_heads, cfg.index_head_dim)
-    assert torch.equal(attn.select(qi, qi[:, :, 0]), window_block_idx(64, 8, 3, batch=1, groups=cfg.num_key_value_heads))
+    out = m(ids, return_attn_inputs=True, compute_kl=False)
+    assert torch.equal(out.attn_inputs[0]["block_idx"], window_block_idx(64, 8, 3, batch=1, groups=cfg.num_key_value_heads))
 
 
 def test_report_on_empty_folder(tmp_path):

@@ -143,10 +143,10 @@ def test_convert_refuses_zero_sizes():
     from toy_model import make_model
 
     dense = make_model(300, sparse_attention_freq=[0, 0])
-    for kw in ({"block_size": 0}, {"topk_blocks": 0}, {"index_head_dim": 0}):
+    for kw in ({"block_size": 0}, {"topk": 0}, {"index_head_dim": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             convert_dense_to_msa(dense, **kw)
-    assert convert_dense_to_msa(dense, block_size=16, topk_blocks=3).config.index_block_size == 16
+    assert convert_dense_to_msa(dense, block_size=16, topk=3).config.index_block_size == 16
 
 
 def _args(*argv):

@@ -5,8 +5,6 @@ layer without an index branch."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,10 +12,12 @@ import torch.distributed as dist
 from spawn_ranks import check_result, rank_check
 
 from msakit.distributed import ContextParallel, GatherSequence, chunk_layout, comm_bytes_per_layer
+from msakit.cache import HeldKeys
 from msakit.models.modeling import document_segments
-from msakit.nn.attention import msa_attend
+from msakit.nn.core import attend
+from msakit.ops.index_topk import Selection
 
-SEL = types.SimpleNamespace(block_size=8, topk=3, local_blocks=1, init_blocks=1, kl_tokens="selected")
+SEL = Selection(block_size=8, topk=3, local_blocks=1, init_blocks=1)
 # (batch, T, cu_seqlens, mode, index branch)
 CASES = [
     (2, 64, None, "sparse", True),  # T a multiple of block * 2 * cp
@@ -42,7 +42,8 @@ def _reference(B, T, cu, mode, index, seed):
     q, k, v, qi, ki, w, c = _tensors(B, T, seed, index)
     leaves = [t.requires_grad_() for t in (q, k, v, qi, ki) if t is not None]
     segs = document_segments(None if cu is None else torch.tensor(cu, dtype=torch.int32), B, T)
-    o, kl, bi = msa_attend(q, k, v, qi, ki, SEL, mode=mode, compute_kl=index, need_block_idx=index, segments=segs)
+    o, kl, bi = attend(q, qi, HeldKeys(k, v, ki), SEL, mode=mode, compute_kl=index, need_block_idx=index,
+                       segments=segs)
     loss = (o * w).sum() + (c * kl if kl is not None else 0)
     grads = torch.autograd.grad(loss, leaves)
     return o.detach(), kl, bi, grads
@@ -55,7 +56,8 @@ def _check_case(rank: int, world: int, case, seed: int) -> None:
     full = _tensors(B, T, seed, index)
     loc = [None if t is None else cp.shard(t).detach().requires_grad_() for t in full[:5]]
     w_loc = cp.shard(full[5])
-    o, kl, bi = cp.attend(*loc, SEL, mode=mode, compute_kl=index, need_block_idx=index)
+    q_, k_, v_, qi_, ki_ = loc
+    o, kl, bi = cp.attend(q_, qi_, HeldKeys(k_, v_, ki_), SEL, mode=mode, compute_kl=index, need_block_idx=index)
     loss = (o * w_loc).sum() + (full[6] * kl if kl is not None else 0)
     loss.backward()
     moved = (cp.stats.all_gather, cp.stats.reduce_scatter)  # before the checks' own gathers
@@ -114,8 +116,8 @@ def test_cp_world_one_without_collectives():
     o_ref, kl_ref, bi_ref, _ = _reference(B, T, cu, mode, index, 12)
     cp = ContextParallel(None, T, SEL.block_size, cu_seqlens=cu, batch_size=B)
     q, k, v, qi, ki, _, _ = _tensors(B, T, 12, index)
-    o, kl, bi = cp.attend(*(cp.shard(t) for t in (q, k, v, qi, ki)), SEL, mode=mode, compute_kl=True,
-                          need_block_idx=True)
+    q, k, v, qi, ki = (cp.shard(t) for t in (q, k, v, qi, ki))
+    o, kl, bi = cp.attend(q, qi, HeldKeys(k, v, ki), SEL, mode=mode, compute_kl=True, need_block_idx=True)
     assert torch.equal(bi[:, :, :T], bi_ref)
     torch.testing.assert_close(o[:, :T], o_ref)
     torch.testing.assert_close(kl, kl_ref)
@@ -141,18 +143,23 @@ def test_comm_volume_m3():
     assert v["forward_all_gather"] == pytest.approx((1 << 20) * 7 / 8 * 2304)
 
 
-def test_dense_attention_offset_rows_in_chunks():
-    """Queries that are the last rows of the keys' sequence equal those rows of full causal attention,
-    however the rows are chunked."""
-    from msakit import ops
-    from msakit.distributed.cp import dense_attention_offset
+def test_core_queries_at_the_end_of_held_keys_in_row_chunks(monkeypatch):
+    """Queries that are the last rows of the keys' sequence equal those rows of full causal attention
+    (dense) and of the whole-sequence MSA (sparse, KL), however the rows are chunked."""
+    from msakit.nn import core
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 40, 4, 8, generator=g)
     k, v = torch.randn(2, 40, 2, 8, generator=g), torch.randn(2, 40, 2, 8, generator=g)
-    full = ops.dense_attention(q, k, v)
-    for limit in (1 << 20, 40 * 3):  # one chunk; chunks of 3 rows
-        o = dense_attention_offset(q[:, 27:], k, v, max_mask_elements=limit)
-        torch.testing.assert_close(o, full[:, 27:])
-    with pytest.raises(ValueError, match="Tq <= Tk"):
-        dense_attention_offset(q, k[:, :10], v[:, :10])
+    qi, ki = torch.randn(2, 40, 2, 8, generator=g), torch.randn(2, 40, 8, generator=g)
+    keys = HeldKeys(k, v, ki)
+    full_dense = attend(q, None, keys, SEL, mode="dense")[0]
+    full_sparse, _, bi = attend(q, qi, keys, SEL, mode="sparse", need_block_idx=True)
+    for limit in (1 << 20, 40 * 2 * 3):  # one chunk; chunks of 3 rows
+        monkeypatch.setattr(core, "MASK_ELEMENTS", limit)
+        torch.testing.assert_close(attend(q[:, 27:], None, keys, SEL, mode="dense")[0], full_dense[:, 27:])
+        o, kl, b = attend(q[:, 27:], qi[:, 27:], keys, SEL, mode="sparse", compute_kl=True, need_block_idx=True)
+        torch.testing.assert_close(o, full_sparse[:, 27:])
+        assert torch.equal(b, bi[:, :, 27:]) and kl is not None and torch.isfinite(kl)
+    with pytest.raises(ValueError, match="last positions"):
+        attend(q, None, HeldKeys(k[:, :10], v[:, :10]), SEL, mode="dense")

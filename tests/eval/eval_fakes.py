@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from msakit import ops
+from msakit.ops.index_topk import Selection
 from msakit.eval.tasks import NIAH_INTRO, NOISE, PASSKEY_INTRO, VT_INTRO
 
 
@@ -46,7 +47,7 @@ class PolicyModel(nn.Module):
         self.wqi = nn.Parameter(torch.randn(32, self.G * 8, generator=g) * 0.3)
         self.wki = nn.Parameter(torch.randn(32, 8, generator=g) * 0.3)
         self.out = nn.Parameter(torch.randn(self.Hq * self.D + 32, vocab, generator=g) * 0.3)
-        self.sel = SimpleNamespace(block_size=block_size, topk=topk, local_blocks=1, init_blocks=0)
+        self.sel = Selection(block_size, topk)
         self.mode = "dense"
         self.policy = None
         self.forwards = 0

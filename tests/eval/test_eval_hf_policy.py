@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msakit.eval import Budget, EvalConfig, HFPolicyModel, make_policy, run_eval
+from msakit.ops.index_topk import Selection
+from msakit.eval import EvalConfig, HFPolicyModel, make_policy, run_eval
 from msakit.eval.scoring import model_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,13 +30,13 @@ def test_dense_equals_hf_and_full_window_equals_dense(hf):
         m = HFPolicyModel(hf, block_size=16, topk=2)
         assert torch.equal(model_logits(m, ids), ref)
         m.set_attention_mode("sparse")
-        m.set_selection_policy(make_policy("window", Budget(16, 5)))  # 5 blocks of 16 >= 70 tokens
+        m.set_selection_policy(make_policy("window", Selection(16, 5)))  # 5 blocks of 16 >= 70 tokens
         torch.testing.assert_close(model_logits(m, ids), ref, atol=1e-4, rtol=1e-4)
         calls = []
 
         def spy(layer, q, k, q_idx, k_idx, sel):
             calls.append((layer, tuple(q.shape), tuple(k.shape), q_idx, sel.block_size))
-            return make_policy("oracle", Budget(16, 2))(layer, q, k, q_idx, k_idx, sel)
+            return make_policy("oracle", Selection(16, 2))(layer, q, k, q_idx, k_idx, sel)
 
         m.set_selection_policy(spy)
         sparse = model_logits(m, ids)
@@ -48,12 +49,12 @@ def test_dense_equals_hf_and_full_window_equals_dense(hf):
 def test_run_eval_on_hf_policy_model(hf, tok, tmp_path):
     m = HFPolicyModel(hf, block_size=16, topk=2)
     cfg = EvalConfig(tasks=["passkey"], lengths=[512], depths=[0.5], policies=["dense", "window", "oracle"],
-                     budget=Budget(16, 4), samples=1)
+                     budget=Selection(16, 4), samples=1)
     small = _Remap(tok, 97)
     s = run_eval(m, small, cfg, tmp_path / "h", progress=False)
     assert set(s["retrieval"]) == {"dense", "window", "oracle"}
     with pytest.raises(ValueError, match="index branch"):
-        run_eval(m, small, EvalConfig(tasks=["passkey"], lengths=[512], policies=["msa"], budget=Budget(16, 4),
+        run_eval(m, small, EvalConfig(tasks=["passkey"], lengths=[512], policies=["msa"], budget=Selection(16, 4),
                                       samples=1), tmp_path / "h2", progress=False)
 
 
@@ -75,9 +76,9 @@ def test_same_logits_as_converted_model_hook(hf, name):
     from msakit.models.convert import convert_dense_to_msa
 
     ids = torch.randint(0, 97, (1, 90), generator=torch.Generator().manual_seed(3))
-    fn = make_policy(name, Budget(16, 3))
+    fn = make_policy(name, Selection(16, 3))
     a = HFPolicyModel(copy.deepcopy(hf), block_size=16, topk=3)
-    b = convert_dense_to_msa(copy.deepcopy(hf), block_size=16, topk_blocks=3)
+    b = convert_dense_to_msa(copy.deepcopy(hf), block_size=16, topk=3)
     for m in (a, b):
         m.set_attention_mode("sparse")
         m.set_selection_policy(fn)

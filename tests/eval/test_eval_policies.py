@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from msakit import ops
-from msakit.eval import Budget, make_policy, oracle_block_idx, window_block_idx
+from msakit.ops.index_topk import Selection
+from msakit.eval import make_policy, oracle_block_idx, window_block_idx
 
 
 def _qk(B=1, T=37, Hq=4, G=2, D=8, Di=6, seed=0, dtype=torch.float64):
@@ -79,7 +78,7 @@ def _oracle_brute(q, k, bs, topk, local, init, scale):
 def test_oracle_equals_brute_force(local, init):
     q, k, _, _ = _qk(B=2, T=29, Hq=4, G=2, D=8, seed=1)
     bs, topk = 4, 3
-    got = oracle_block_idx(q, k, block_size=bs, topk=topk, local_blocks=local, init_blocks=init)
+    got = oracle_block_idx(q, k, Selection(bs, topk, local, init))
     _check_valid(got, 29, bs, topk)
     for (b, r, i), want in _oracle_brute(q, k, bs, topk, local, init, 1 / math.sqrt(8)):
         assert {x for x in got[b, r, i].tolist() if x >= 0} == want, (b, r, i)
@@ -87,10 +86,10 @@ def test_oracle_equals_brute_force(local, init):
 
 def test_oracle_chunking_and_scale():
     q, k, _, _ = _qk(B=1, T=45, seed=2)
-    a = oracle_block_idx(q, k, block_size=4, topk=4, max_elements=1 << 30)
-    b = oracle_block_idx(q, k, block_size=4, topk=4, max_elements=1)  # one query per chunk
+    a = oracle_block_idx(q, k, Selection(4, 4), max_elements=1 << 30)
+    b = oracle_block_idx(q, k, Selection(4, 4), max_elements=1)  # one query per chunk
     assert torch.equal(a, b)
-    c = oracle_block_idx(q * 3, k, block_size=4, topk=4, softmax_scale=1 / (3 * math.sqrt(8)))
+    c = oracle_block_idx(q * 3, k, Selection(4, 4), softmax_scale=1 / (3 * math.sqrt(8)))
     assert torch.equal(a, c)
 
 
@@ -101,15 +100,15 @@ def test_oracle_picks_the_attended_block():
     k = torch.zeros(1, T, 1, 4, dtype=torch.float64)
     k[0, 5, 0, 0] = 10.0  # block 1
     q[0, 30, :, 0] = 10.0
-    got = oracle_block_idx(q, k, block_size=bs, topk=2)
+    got = oracle_block_idx(q, k, Selection(bs, 2))
     assert set(got[0, 0, 30].tolist()) == {7, 1}
 
 
 def test_oracle_decode_rows():
     """Tk > T: the queries are the last T positions; equal to the rows of the full computation."""
     q, k, _, _ = _qk(B=1, T=40, seed=3)
-    full = oracle_block_idx(q, k, block_size=4, topk=3)
-    tail = oracle_block_idx(q[:, -7:], k, block_size=4, topk=3)
+    full = oracle_block_idx(q, k, Selection(4, 3))
+    tail = oracle_block_idx(q[:, -7:], k, Selection(4, 3))
     _check_valid(tail, 7, 4, 3, Tk=40)
     assert torch.equal(full[:, :, -7:], tail)
 
@@ -117,8 +116,8 @@ def test_oracle_decode_rows():
 @pytest.mark.parametrize("name", ["msa", "window", "window0", "oracle"])
 def test_policies_through_hook_signature(name):
     q, k, qi, ki = _qk(B=2, T=50, seed=4, dtype=torch.float32)
-    budget = Budget(8, 3)
-    sel = SimpleNamespace(block_size=8, topk=5, local_blocks=1, init_blocks=0)
+    budget = Selection(8, 3)
+    sel = Selection(8, 5)
     fn = make_policy(name, budget)
     bidx = fn(3, q, k, qi, ki, sel)
     assert bidx.shape == (2, 2, 50, 3) and bidx.dtype == torch.int32
@@ -128,7 +127,7 @@ def test_policies_through_hook_signature(name):
     # sparse attention over the policy's selection runs and, with every block selected, equals dense
     o = ops.sparse_attention(q, k, k, bidx, block_size=8)
     assert o.shape == q.shape
-    full = make_policy(name, Budget(8, 7))(0, q, k, qi, ki, sel)
+    full = make_policy(name, Selection(8, 7))(0, q, k, qi, ki, sel)
     tol = 1e-5
     torch.testing.assert_close(ops.sparse_attention(q, k, k, full, block_size=8), ops.dense_attention(q, k, k),
                                atol=tol, rtol=tol)
@@ -136,30 +135,30 @@ def test_policies_through_hook_signature(name):
 
 def test_policy_keeps_layer_forcing():
     q, k, qi, ki = _qk(B=1, T=64, seed=5, dtype=torch.float32)
-    sel = {"block_size": 8, "topk": 4, "local_blocks": 1, "init_blocks": 1}
+    sel = Selection(8, 4, 1, 1)
     for name in ("msa", "oracle"):
-        bidx = make_policy(name, Budget(8, 3))(0, q, k, qi, ki, sel)
+        bidx = make_policy(name, Selection(8, 3))(0, q, k, qi, ki, sel)
         assert all(0 in row.tolist() for row in bidx.reshape(-1, 3))
 
 
 def test_policy_errors():
     q, k, qi, ki = _qk(T=16, dtype=torch.float32)
-    sel = SimpleNamespace(block_size=16, topk=2, local_blocks=1, init_blocks=0)
+    sel = Selection(16, 2)
     with pytest.raises(ValueError, match="block_size 16 but the budget"):
-        make_policy("window", Budget(8, 2))(0, q, k, qi, ki, sel)
+        make_policy("window", Selection(8, 2))(0, q, k, qi, ki, sel)
     with pytest.raises(ValueError, match="q_idx"):
-        make_policy("msa", Budget(16, 2))(0, q, k, None, None, sel)
+        make_policy("msa", Selection(16, 2))(0, q, k, None, None, sel)
     with pytest.raises(ValueError, match="policy must be"):
-        make_policy("random", Budget(8, 2))
+        make_policy("random", Selection(8, 2))
     with pytest.raises(ValueError, match="groups"):
-        oracle_block_idx(q[:, :, :3], k, block_size=4, topk=2)
+        oracle_block_idx(q[:, :, :3], k, Selection(4, 2))
     with pytest.raises(ValueError, match="Tk"):
-        oracle_block_idx(q, k[:, :8], block_size=4, topk=2)
+        oracle_block_idx(q, k[:, :8], Selection(4, 2))
 
 
 def test_budget_parse():
-    b = Budget.parse("block64-top8")
+    b = Selection.parse("block64-top8")
     assert (b.block_size, b.topk, b.keys, str(b)) == (64, 8, 512, "block64-top8")
     for bad in ("64x8", "block0-top8", "block64-top", "block-64-top8"):
         with pytest.raises(ValueError):
-            Budget.parse(bad)
+            Selection.parse(bad)

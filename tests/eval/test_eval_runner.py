@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from eval_fakes import PlainModel, PolicyModel
-from msakit.eval import Budget, EvalConfig, make_sample, read_records, run_eval
+from msakit.ops.index_topk import Selection
+from msakit.eval import EvalConfig, make_sample, read_records, run_eval
 from msakit.eval.scoring import answer_scores, model_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,7 +31,7 @@ def docs(tmp_path):
 
 def _cfg(docs, **kw):
     base = dict(tasks=["loss", "passkey", "vt"], lengths=[512, 768], depths=[0.2, 0.8],
-                policies=["dense", "last400", "window", "window0", "oracle", "msa"], budget=Budget(16, 4),
+                policies=["dense", "last400", "window", "window0", "oracle", "msa"], budget=Selection(16, 4),
                 samples=2, seed=0, documents=[docs])
     base.update(kw)
     return EvalConfig(**base)

@@ -225,17 +225,24 @@ def test_truncate_releases_pages_and_appends_again():
         c.truncate(sid, 9)
 
 
-def test_caches_share_the_protocol():
-    from msakit.cache import KVCache, KVCacheProtocol, PagedRows, PagedStep
+def test_caches_share_the_protocol_and_only_store():
+    from msakit.cache import (DeferredPagedStep, KVCache, KVCacheProtocol, PagedKeys, PagedRows, PagedStep,
+                              RollbackCache)
     from msakit.speculative.cache import SpecCache
 
-    for cls in (KVCache, PagedStep, PagedRows, SpecCache):
+    for cls in (KVCache, PagedStep, DeferredPagedStep, PagedRows, SpecCache):
         assert issubclass(cls, KVCacheProtocol)
+        assert not hasattr(cls, "attend")  # a cache stores and views; the core attends
+    assert issubclass(KVCache, RollbackCache) and issubclass(SpecCache, RollbackCache)
+    assert not issubclass(PagedStep, RollbackCache) and not issubclass(PagedRows, RollbackCache)
     rows = PagedRows(make(pages=8), 2, 10)
     assert rows.page_table.shape == (2, 3)  # every page reserved up front
-    rows.begin(torch.tensor([3, 7]))
-    pos = rows.positions(2, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="place"):
+        rows.begin(2, 2, torch.device("cpu"))
+    rows.place(torch.tensor([3, 7]))
+    pos = rows.begin(2, 2, torch.device("cpu"))
     assert pos.tolist() == [[3, 4], [7, 8]]
+    assert isinstance(rows.view(0), PagedKeys)
     ps = PS
     table = rows.page_table.long()
     want = [int(table[b, p // ps]) * ps + p % ps for b, r in enumerate(pos.tolist()) for p in r]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from msakit.generate import generate
 from msakit.models import M3Config, M3ForCausalLM
 from msakit.models.convert import MSAWrappedModel, convert_dense_to_msa, load_for_conversion
 
@@ -32,7 +33,7 @@ def test_convert_msakit_dense_model(tmp_path: Path) -> None:
     ids = torch.randint(0, 256, (2, 40))
     ref = src(ids, labels=ids)
     assert ref.kl.item() == 0.0
-    new = convert_dense_to_msa(src, block_size=8, topk_blocks=2)
+    new = convert_dense_to_msa(src, block_size=8, topk=2)
     assert new.config.sparse_attention_freq == [1, 1] and new.attention_mode == "dense"
     assert (new.config.index_block_size, new.config.index_topk_blocks, new.config.index_n_heads) == (8, 2, 2)
     out = new(ids, labels=ids)
@@ -43,7 +44,7 @@ def test_convert_msakit_dense_model(tmp_path: Path) -> None:
     new.set_attention_mode("sparse")
     assert (new(ids).logits - ref.logits).abs().max() > 1e-5
     # deterministic fresh init; the result saves and reloads as an M3 model
-    again = convert_dense_to_msa(src, block_size=8, topk_blocks=2)
+    again = convert_dense_to_msa(src, block_size=8, topk=2)
     assert torch.equal(again.model.layers[1].self_attn.index_k_proj.weight, new.model.layers[1].self_attn.index_k_proj.weight)
     new.save_pretrained(tmp_path / "m")
     assert isinstance(load_for_conversion(tmp_path / "m"), M3ForCausalLM)
@@ -51,7 +52,7 @@ def test_convert_msakit_dense_model(tmp_path: Path) -> None:
         convert_dense_to_msa(new)
     # from a folder
     src.save_pretrained(tmp_path / "dense")
-    from_path = convert_dense_to_msa(tmp_path / "dense", block_size=8, topk_blocks=2)
+    from_path = convert_dense_to_msa(tmp_path / "dense", block_size=8, topk=2)
     assert torch.equal(from_path(ids).logits, ref.logits)
 
 
@@ -70,7 +71,7 @@ def test_convert_hf_model_keeps_outputs(kind: str) -> None:
     ids = torch.randint(0, 128, (2, 40))
     with torch.no_grad():
         ref = hf(ids).logits.clone()
-    model = convert_dense_to_msa(hf, block_size=8, topk_blocks=2)
+    model = convert_dense_to_msa(hf, block_size=8, topk=2)
     assert isinstance(model, MSAWrappedModel) and model.attention_mode == "dense"
     out = model(ids, labels=ids, return_attn_inputs=True)
     torch.testing.assert_close(out.logits, ref, rtol=0, atol=1e-5)
@@ -94,7 +95,7 @@ def test_hf_wrapper_packed_and_roundtrip(tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path / "hf")
     loaded = load_for_conversion(tmp_path / "hf")
     assert type(loaded).__name__ == "LlamaForCausalLM"
-    model = convert_dense_to_msa(tmp_path / "hf", block_size=8, topk_blocks=2, index_head_dim=32, rotary_dim=16)
+    model = convert_dense_to_msa(tmp_path / "hf", block_size=8, topk=2, index_head_dim=32, rotary_dim=16)
     assert model.settings.index_head_dim == 32 and model.settings.rope_theta == 10000.0
     a, b = torch.randint(0, 128, (1, 13)), torch.randint(0, 128, (1, 19))
     for mode in ("dense", "sparse"):
@@ -111,7 +112,7 @@ def test_hf_wrapper_packed_and_roundtrip(tmp_path: Path) -> None:
     assert isinstance(again, MSAWrappedModel)
     ids = torch.randint(0, 128, (1, 30))
     assert torch.equal(again(ids).logits, model(ids).logits)
-    toks = again.generate(ids[:, :4], 3, temperature=0)
+    toks = generate(again, ids[:, :4], 3, temperature=0)
     assert toks.shape == (1, 7)
 
 
@@ -128,7 +129,7 @@ def test_unsupported_inputs(tmp_path: Path) -> None:
 def test_m3_qk_init_and_kl_tokens() -> None:
     from msakit.models.convert import init_index_from_qk
 
-    new = convert_dense_to_msa(dense_m3(), block_size=8, topk_blocks=2, index_init="qk")
+    new = convert_dense_to_msa(dense_m3(), block_size=8, topk=2, index_init="qk")
     attn = new.model.layers[0].self_attn
     x = torch.randn(5, 64)
     torch.testing.assert_close(attn.index_q_proj(x).view(5, 2, 16), attn.q_proj(x).view(5, 2, 2, 16).mean(2),

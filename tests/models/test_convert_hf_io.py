@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from msakit.cache import KVCache
+from msakit.generate import generate
 from msakit.models.convert import (
     MSAWrappedModel,
     convert_dense_to_msa,
@@ -43,7 +44,7 @@ def tiny(kind: str, *, tie: bool = False, heads: int = 4, kv: int = 2):
 
 
 def converted(kind: str = "qwen2", mode: str = "sparse", **kw) -> MSAWrappedModel:
-    model = convert_dense_to_msa(tiny(kind, **kw), block_size=8, topk_blocks=2, init_blocks=1)
+    model = convert_dense_to_msa(tiny(kind, **kw), block_size=8, topk=2, init_blocks=1)
     model.set_attention_mode(mode)
     return model.eval()
 
@@ -55,7 +56,7 @@ def test_dense_mode_equals_hf(kind: str, dtype: torch.dtype) -> None:
     ids = torch.randint(0, 96, (2, 33))
     with torch.no_grad():
         ref = hf(ids).logits.clone()
-        model = convert_dense_to_msa(hf, block_size=8, topk_blocks=2)
+        model = convert_dense_to_msa(hf, block_size=8, topk=2)
         assert torch.equal(model(ids, compute_kl=False).logits, ref)
 
 
@@ -80,7 +81,7 @@ def test_generate_is_cached_and_greedy_equal() -> None:
     calls = []
     handle = model.hf.model.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape[1]),
                                                       with_kwargs=True)
-    toks = model.generate(ids, 6, temperature=0)
+    toks = generate(model, ids, 6, temperature=0)
     handle.remove()
     assert calls == [20, 1, 1, 1, 1, 1]  # the prompt once, then one new token per step
     ref = generate_uncached(model, ids, 6, temperature=0)
@@ -108,7 +109,7 @@ def test_round_trip_msakit_and_plain_transformers(tmp_path: Path, kind: str, tie
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ref, rtol=0, atol=1e-5)
     out = hf.generate(ids[:, :24], max_new_tokens=8, do_sample=False)
-    mine = again.generate(ids[:, :24], 8, temperature=0)
+    mine = generate(again, ids[:, :24], 8, temperature=0)
     assert torch.equal(out, mine)
 
 
@@ -128,7 +129,7 @@ def test_save_refuses_nothing_and_loads_strictly(tmp_path: Path) -> None:
 
 def test_qk_init_matches_group_mean_scores() -> None:
     hf = tiny("llama")  # no q/k biases: the pre-norm index scores equal the main ones
-    model = convert_dense_to_msa(hf, block_size=8, topk_blocks=2, index_init="qk")
+    model = convert_dense_to_msa(hf, block_size=8, topk=2, index_init="qk")
     assert model.settings.rotary_dim == 16 and model.settings.index_head_dim == 16
     attn = hf.model.layers[0].self_attn
     x = torch.randn(3, 64)
@@ -140,7 +141,7 @@ def test_qk_init_matches_group_mean_scores() -> None:
     # the index RoPE rotates what the main RoPE rotates: with one head per group the index
     # selection of a 1-token-per-head model ranks keys as the main scores do
     with pytest.raises(ValueError, match="index_head_dim"):
-        init_index_from_qk(convert_dense_to_msa(tiny("llama"), block_size=8, topk_blocks=2, index_head_dim=8))
+        init_index_from_qk(convert_dense_to_msa(tiny("llama"), block_size=8, topk=2, index_head_dim=8))
     with pytest.raises(ValueError, match="index_init"):
         convert_dense_to_msa(tiny("llama"), index_init="zeros")
 

@@ -43,10 +43,10 @@ def test_deterministic_under_seed_and_streamer() -> None:
     model = model_for("sparse")
     prompt = torch.randint(0, 128, (2, 5))
     seen: list[torch.Tensor] = []
-    a = model.generate(prompt, 10, temperature=1.0, top_k=20, top_p=0.9,
+    a = generate(model, prompt, 10, temperature=1.0, top_k=20, top_p=0.9,
                        generator=torch.Generator().manual_seed(7), streamer=seen.append)
-    b = model.generate(prompt, 10, temperature=1.0, top_k=20, top_p=0.9, generator=torch.Generator().manual_seed(7))
-    c = model.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(8))
+    b = generate(model, prompt, 10, temperature=1.0, top_k=20, top_p=0.9, generator=torch.Generator().manual_seed(7))
+    c = generate(model, prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert len(seen) == 10 and all(s.shape == (2,) for s in seen)
     assert torch.equal(torch.stack(seen, 1), a[:, 5:])
@@ -62,18 +62,18 @@ def test_deterministic_under_seed_and_streamer() -> None:
             self.ended += 1
 
     s = Streamer()
-    d = model.generate(prompt[:1], 3, temperature=0, streamer=s)
+    d = generate(model, prompt[:1], 3, temperature=0, streamer=s)
     assert s.ended == 1 and torch.equal(torch.stack(s.got, 1), d[:, 5:])
-    greedy = model.generate(prompt, 4, temperature=0)
-    assert torch.equal(greedy, model.generate(prompt, 4, temperature=0))
+    greedy = generate(model, prompt, 4, temperature=0)
+    assert torch.equal(greedy, generate(model, prompt, 4, temperature=0))
 
 
 def test_eos_stops_early() -> None:
     model = model_for("sparse")
     prompt = torch.randint(0, 128, (1, 5))
-    greedy = model.generate(prompt, 6, temperature=0)
+    greedy = generate(model, prompt, 6, temperature=0)
     eos = int(greedy[0, 7])
-    out = model.generate(prompt, 6, temperature=0, eos_token_id=eos)
+    out = generate(model, prompt, 6, temperature=0, eos_token_id=eos)
     first = (greedy[0, 5:] == eos).nonzero()[0].item()
     assert out.shape[1] == 5 + first + 1 and out[0, -1] == eos
 
@@ -95,16 +95,18 @@ def test_sample_next_filters() -> None:
 def test_cache_overflow_and_training_flag() -> None:
     cache = KVCache(1, 4)
     k = torch.zeros(1, 3, 2, 8)
+    assert cache.begin(1, 3, k.device).tolist() == [[0, 1, 2]]
     cache.write(0, k, k, None)
-    cache.advance(3)
+    assert cache.view(0).k.shape == (1, 3, 2, 8)  # what the forward wrote, the queries at its end
+    cache.end()
     with pytest.raises(ValueError, match="overflow"):
         cache.write(0, k, k, None)
     with pytest.raises(ValueError, match="overflow"):
-        cache.positions(1, 2, k.device)
+        cache.begin(1, 2, k.device)
     cache.truncate(1)
-    assert cache.length == 1 and cache.positions(2, 3, k.device).tolist() == [[1, 2, 3]] * 2
+    assert cache.length == 1 and cache.begin(2, 3, k.device).tolist() == [[1, 2, 3]] * 2
     with pytest.raises(ValueError, match="truncate"):
         cache.truncate(2)
     model = model_for("sparse").train()
-    model.generate(torch.randint(0, 128, (1, 3)), 2)
+    generate(model, torch.randint(0, 128, (1, 3)), 2)
     assert model.training

@@ -279,7 +279,7 @@ def test_generate_cuda_graph_argument() -> None:
     # CPU: auto / False are the eager paged path; the contiguous path ignores cuda_graph=None / False
     a = generate(model, prompt, 5, temperature=0, cache="paged", decode_backend="reference")
     b = generate(model, prompt, 5, temperature=0, cache="paged", decode_backend="reference", cuda_graph=False)
-    c = model.generate(prompt, 5, temperature=0, cache="contiguous", cuda_graph=False)
+    c = generate(model, prompt, 5, temperature=0, cache="contiguous", cuda_graph=False)
     assert torch.equal(a, b) and torch.equal(a, c)
 
 

@@ -71,7 +71,7 @@ def test_cache_argument_checks() -> None:
     with pytest.raises(ValueError, match="cache must be one of"):
         generate(model, prompt, 2, cache="ring")
     # "auto" is contiguous off CUDA; M3ForCausalLM.generate passes cache through
-    assert model.generate(prompt, 2, temperature=0, cache="paged").shape == (1, 6)
+    assert generate(model, prompt, 2, temperature=0, cache="paged").shape == (1, 6)
     bad = M3ForCausalLM(M3Config.preset("tiny", vocab_size=64, num_hidden_layers=2, index_block_size=8,
                                         index_topk_blocks=2), mode="sparse").to(DEV)
     assert "block size" in paged_supported(bad)

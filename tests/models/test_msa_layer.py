@@ -7,13 +7,17 @@ import torch
 
 from msakit import ops
 from msakit.nn import GemmaRMSNorm, MSAAttention, MSAConfig, apply_partial_rope, rope_cos_sin
+from msakit.ops.index_topk import Selection
+
+SELECTION = ("block_size", "topk", "local_blocks", "init_blocks")
 
 
 def small_cfg(**kw):
-    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, index_dim=8, rotary_dim=4,
-                block_size=4, topk=2, rope_theta=1e4)
+    sel = dict(block_size=4, topk=2)
+    sel.update({k: kw.pop(k) for k in SELECTION if k in kw})
+    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, index_dim=8, rotary_dim=4, rope_theta=1e4)
     base.update(kw)
-    return MSAConfig(**base)
+    return MSAConfig(selection=Selection(**sel), **base)
 
 
 def make_layer(mode="sparse", seed=0, **kw):

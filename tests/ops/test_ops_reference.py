@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from msakit import ops
-from naive import naive_index_kl, naive_index_topk, naive_sparse_attention
+from naive import naive_index_kl, naive_index_topk, naive_sparse_attention, selected_token_set
 
 
 def as_sets(block_idx):
@@ -103,6 +103,32 @@ def test_index_topk_matches_naive(B, T, G, Di, bs, topk, local, init, seed):
     bi = ops.index_topk(q, k, block_size=bs, topk=topk, local_blocks=local, init_blocks=init)
     assert rows_valid_first(bi)
     assert as_sets(bi) == as_sets(naive_index_topk(q, k, bs, topk, local, init))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 2), T=st.integers(1, 6), Lk=st.integers(1, 40), G=st.integers(1, 3),
+    bs=st.sampled_from([1, 3, 4, 8]), topk=st.integers(2, 6), local=st.integers(1, 2), init=st.integers(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_select_blocks_at_any_positions_matches_naive(B, T, Lk, G, bs, topk, local, init, seed):
+    """The one selection rule at arbitrary per-row query positions (rows of different lengths, queries
+    anywhere in the keys): the exact row order of the naive restatement, and the token mask."""
+    from msakit.ops.index_topk import select_blocks, selected_token_mask
+
+    topk = max(topk, local + init)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, G, 3, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Lk, 3, generator=g, dtype=torch.float64)
+    pos = torch.randint(0, Lk, (B, T), generator=g)
+    bi = select_blocks(q, k, block_size=bs, topk=topk, local_blocks=local, init_blocks=init, positions=pos)
+    assert torch.equal(bi, naive_index_topk(q, k, bs, topk, local, init, positions=pos.tolist()))
+    mask = selected_token_mask(bi, pos, Lk, block_size=bs)
+    for b in range(B):
+        for r in range(G):
+            for t in range(T):
+                want = selected_token_set(bi[b, r, t].tolist(), int(pos[b, t]), bs)
+                assert mask[b, r, t].nonzero().flatten().tolist() == want
 
 
 # ---------------------------------------------------------------- sparse_attention

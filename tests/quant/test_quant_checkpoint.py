@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from msakit.generate import generate
 from msakit.models import M3Config, M3ForCausalLM
 from msakit.quant import convert, load_for_qat, load_quantized, prepare_qat, save_quantized
 from msakit.quant.linear import mxfp8_quantize_with_scales, nvfp4_quantize_with_scales, unpack_weight
@@ -96,7 +97,7 @@ def test_layout_and_round_trip(trained, tmp_path):
     with torch.no_grad():
         a, b = loaded(ids).logits, conv(ids).logits
     assert torch.equal(a, b)
-    gen = loaded.generate(ids[:, :8], 3, top_k=1)  # cached decoding runs on the packed modules
+    gen = generate(loaded, ids[:, :8], 3, top_k=1)  # cached decoding runs on the packed modules
     assert gen.shape == (1, 11) and torch.equal(gen[:, :8], ids[:, :8])
     save_quantized(loaded, tmp_path / "again", max_shard_size="100KB")
     assert len(list((tmp_path / "again").glob("model-*-of-*.safetensors"))) > 1

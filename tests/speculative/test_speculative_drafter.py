@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from msakit.generate import generate
 from msakit.models import M3Config
 from msakit.speculative import DSparkConfig, DSparkDrafter, spread_taps
 from msakit.speculative.generate import SpecCache, draft_context_update, draft_hidden, target_forward
@@ -331,7 +332,7 @@ def _rows(target, n_rows: int = 12, T: int = 32):
     from msakit.train.data import PackedRows, TokenStream
 
     with torch.no_grad():
-        seqs = target.generate(torch.randint(0, 64, (n_rows, 2), generator=torch.Generator().manual_seed(4)),
+        seqs = generate(target, torch.randint(0, 64, (n_rows, 2), generator=torch.Generator().manual_seed(4)),
                                T - 2, temperature=0.5, generator=torch.Generator().manual_seed(5))
     toks = seqs.reshape(-1).numpy().astype(np.int32)
     starts = np.arange(0, toks.shape[0] + 1, T, dtype=np.int64)
@@ -411,7 +412,7 @@ def test_regeneration_pool_and_mix() -> None:
     toks = torch.from_numpy(pool.tokens.astype("int64")).view(4, 16)
     src = rows.batch([0, 1, 2, 3]).input_ids
     assert torch.equal(toks[:, :5], src[:, :5])  # the prompts are kept
-    greedy = target.generate(src[2:, :5], 11, temperature=0)  # the second half is the greedy continuation
+    greedy = generate(target, src[2:, :5], 11, temperature=0)  # the second half is the greedy continuation
     assert torch.equal(toks[2:], greedy)
     mixed = mix_streams(rows.stream, pool, 0.5)
     assert len(mixed) == len(rows.stream) + len(pool) * round(len(rows.stream) / len(pool))

@@ -167,7 +167,7 @@ def test_paged_cache_equals_contiguous(mode: str, monkeypatch) -> None:
     of up to 8 positions per row through msa_decode (sparse-mode MSA layers), the prompt's chunks
     over the gathered pages: greedy output equals plain greedy decoding (rollbacks included),
     the same-engine plain loop too; sampled output is reproducible from its seed."""
-    import msakit.ops.decode as dec
+    import msakit.nn.core as dec  # the core calls msa_decode for paged sparse layers
 
     calls = []
     real = dec.msa_decode

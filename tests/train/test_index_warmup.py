@@ -29,7 +29,7 @@ def data(tmp_path_factory):
 def converted(kind: str, vocab: int, **kw):
     """A dense model of `kind` converted to MSA: blocks of 8, top-2 (64-token rows span 8 blocks)."""
     if kind == "msakit":
-        return convert_dense_to_msa(make_model(vocab, sparse_attention_freq=[0, 0]), block_size=8, topk_blocks=2,
+        return convert_dense_to_msa(make_model(vocab, sparse_attention_freq=[0, 0]), block_size=8, topk=2,
                                     index_head_dim=8, **kw)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -37,7 +37,7 @@ def converted(kind: str, vocab: int, **kw):
     hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                       tie_word_embeddings=False))
-    return convert_dense_to_msa(hf, block_size=8, topk_blocks=2, **kw)
+    return convert_dense_to_msa(hf, block_size=8, topk=2, **kw)
 
 
 def lm_head(model) -> torch.nn.Module:
