@@ -1,7 +1,7 @@
 """The `msakit` command line: one sub-command per job.
 
-Each sub-command lives in the module that owns its work and registers itself here through a
-small `add_parser(subparsers)` function; `main` only dispatches.  Errors a user can cause (a bad
+Each sub-command is a module of `msakit.commands` with `add_parser(subparsers)` and `run(args)`;
+`main` parses, dispatches and is the one place that prints errors.  Errors a user can cause (a bad
 option value, a missing file, a bad config, a model that cannot fit) are raised as `CLIError` (or
 `ValueError` / `OSError`) or refused by argparse, and printed as one line with exit status 2; no
 traceback.  SIGTERM is turned into an interruption (like Ctrl-C), so that a command's clean-up
@@ -15,7 +15,10 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
+
+from msakit.commands import convert, cost, demo, generate, train, train_drafter
+from msakit.commands import eval as eval_
 
 
 class CLIError(Exception):
@@ -57,27 +60,16 @@ def one_line(text: object) -> str:
     return "; ".join(x.strip() for x in str(text).splitlines() if x.strip())
 
 
-# the modules whose `add_parser(subparsers)` registers a sub-command (each imports its heavy
-# dependencies only when the command runs)
-_COMMANDS: list[str] = [
-    "msakit.commands.demo",
-    "msakit.commands.train",
-    "msakit.commands.convert",
-    "msakit.commands.generate",
-    "msakit.commands.eval",
-    "msakit.commands.train_drafter",
-    "msakit.cost",
-]
+# the sub-commands, in the order `msakit -h` lists them
+COMMANDS = (demo, train, convert, generate, eval_, train_drafter, cost)
 
 
 def build_parser() -> ArgumentParser:
-    import importlib
-
     parser = ArgumentParser(prog="msakit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for mod in _COMMANDS:
-        importlib.import_module(mod).add_parser(sub)
+    for mod in COMMANDS:
+        mod.add_parser(sub).set_defaults(run=mod.run)
     return parser
 
 
@@ -115,10 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or an argument error (already printed on one line)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     args.given = given_options(parser, args.command, argv)
-    func: Callable[[argparse.Namespace], int | None] = args.func
     try:
         with sigterm_as_interrupt():
-            return int(func(args) or 0)
+            return int(args.run(args) or 0)
     except (CLIError, ValueError, OSError, MemoryError) as e:
         msg = one_line(e) or type(e).__name__
         print(f"msakit {args.command}: error: {msg}", file=sys.stderr)

@@ -14,14 +14,13 @@ Units: FLOP counts a multiply-add as 2; "values" are cached/read scalars (multip
 value for bytes); GB means 1e9 bytes and KB 1e3 bytes (the brief's 145 GB is
 69,120 values x 2 bytes x 1,048,576 tokens / 1e9 = 144.96).
 
-CLI: ``msakit cost --config PATH [--context N] [--json]``.
+Command line: ``msakit cost --config PATH [--context N] [--json]`` (`msakit.commands.cost`) prints
+`report` / `format_report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -785,41 +784,3 @@ def _ids(ids: Sequence[int]) -> str:
         return f" (layers {ids[0]}-{ids[-1]})"
     return " (layer" + ("s " if len(ids) > 1 else " ") + ", ".join(map(str, ids)) + ")"
 
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return v
-
-
-def _run(args: argparse.Namespace) -> int:
-    shape = ModelShape.from_config(args.config)
-    r = report(shape, args.context)
-    if args.json:
-        print(json.dumps(r, indent=2))
-    else:
-        print(format_report(r))
-    return 0
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``msakit cost --config PATH [--context N] [--json]``."""
-    p = subparsers.add_parser(
-        "cost", help="parameter, FLOP, decode-read, KV-cache and expert-byte costs from a config",
-        description="Cost model (MSA paper eq. 12, M3.1-Flash brief) from an HF config.json.")
-    p.add_argument("--config", required=True, metavar="PATH",
-                   help="config.json or a folder containing it")
-    p.add_argument("--context", type=_positive_int, default=DEFAULT_CONTEXT, metavar="N",
-                   help=f"context length in tokens (default {DEFAULT_CONTEXT:,})")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=_run)
-    return p

@@ -1,4 +1,15 @@
-"""CLI sub-commands that live outside the module owning their work (each: `add_parser(subparsers)`)."""
+"""The `msakit` sub-commands, one module each, all of one shape:
+
+- ``add_parser(subparsers) -> argparse.ArgumentParser`` registers the command (`command_parser`
+  names it from the module docstring) and its options (shared types and groups:
+  `msakit.commands.options`);
+- ``run(args) -> int`` checks what is about the command line (combinations of options), turns the
+  options into the library's settings, calls the public library functions that do the work, and
+  prints what the user reads; it returns the exit status.
+
+`msakit.cli` registers every module and dispatches; it alone prints errors.  The library never
+imports this package.
+"""
 
 from __future__ import annotations
 

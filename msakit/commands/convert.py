@@ -14,24 +14,33 @@ a conversion run (the same as `msakit train --resume --out RUN`).
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 from typing import Any
 
 from msakit.commands import command_parser
+from msakit.commands.options import (NONNEG_INT, POS_FLOAT, POS_INT, add_data_args, add_distributed_args,
+                                     add_optim_args, add_resume_arg, data_options, deferred_notes, given,
+                                     start_processes)
+from msakit.commands.train import resume
+from msakit.models.convert import INDEX_INITS
+from msakit.nn.attention import KL_TOKENS
+from msakit.train.runs import DEFAULT_CONTEXT, DTYPES, convert_run
+from msakit.train.trainer import TRAIN_WHAT
+
+# what `--train index` leaves unused (the backbone is frozen, attention dense, the KL the only loss)
+NOT_WITH_INDEX = {"warmup_steps": "attention stays dense for the whole index warm-up",
+                  "kl_coef": "the KL is the only loss",
+                  "kl_every": "the KL is the only loss, computed every step",
+                  "routing_bias_rate": "the backbone (its routing bias included) is frozen"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from msakit.distributed.args import add_distributed_args
-    from msakit.models.convert import INDEX_INITS
-    from msakit.nn.attention import KL_TOKENS
-    from msakit.train.run import DTYPES, NONNEG_INT, POS_FLOAT, POS_INT, add_data_args, add_optim_args
-    from msakit.train.trainer import TRAIN_WHAT
-
     p = command_parser(subparsers, __doc__)
     p.add_argument("source", metavar="SOURCE", nargs="?", default=None,
                    help="dense model: msakit run/checkpoint folder or HF model folder (not with --resume)")
     p.add_argument("--out", default="runs/convert", metavar="DIR", help="run folder")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
-                   help="continue the conversion run in --out (or from CKPT) with its recorded settings")
+    add_resume_arg(p, "continue the conversion run in --out (or from CKPT) with its recorded settings")
     m = p.add_argument_group("index branch")
     m.add_argument("--block-size", type=POS_INT, default=None, metavar="N", help="MSA block size (default: model's / 128)")
     m.add_argument("--topk", type=POS_INT, default=None, metavar="K", help="blocks per query (default: model's / 16)")
@@ -57,12 +66,49 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="stop after the step that ends past this many seconds of training")
     add_data_args(p, vocab=False)
     add_optim_args(p, lr=1e-3, dense_warmup_steps=100, steps=300, eval_every=50, save_every=100, eval_rows=8)
-    add_distributed_args(p, positive_int=POS_INT)
-    p.set_defaults(func=_run)
+    add_distributed_args(p)
     return p
 
 
-def _run(args: argparse.Namespace) -> int:
-    from msakit.train.run import run_convert
+def check_convert_options(args: argparse.Namespace) -> None:
+    """ValueError naming the option for a combination `msakit convert` cannot honour."""
+    named = given(args)
+    budget = args.time_budget
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"--time-budget must be a positive number of seconds, got {budget!r}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.train == "index":
+        bad = [k for k in NOT_WITH_INDEX if k in named]
+        if bad:
+            k = bad[0]
+            raise ValueError(f"--{k.replace('_', '-')} does not apply with --train index ({NOT_WITH_INDEX[k]}); "
+                             "use --train all for the full recipe")
+        if "lr" in named and "index_lr" in named:
+            raise ValueError("--lr and --index-lr: with --train index only the index branch trains; give one of them")
+    if args.init_blocks is not None and args.topk is not None and args.init_blocks + 1 > args.topk:
+        raise ValueError(f"--init-blocks {args.init_blocks} plus the query's own block exceed --topk {args.topk}")
 
-    return run_convert(args)
+
+def run(args: argparse.Namespace) -> int:
+    check_convert_options(args)
+    parallel, device, main_rank = start_processes(args)
+    if args.resume:  # a conversion continues as a training run
+        return resume(args, device)
+    if args.source is None:
+        raise ValueError("SOURCE is required (the dense model to convert), unless --resume continues a conversion")
+    out = Path(args.out)
+    data = data_options(args, args.context if args.context is not None else DEFAULT_CONTEXT)
+    cfg, say_notes = deferred_notes(args)
+    result = convert_run(args.source, out, train=cfg, data=data, tokenizer=args.tokenizer,
+                         dtype=args.dtype, index_dim=args.index_dim, block_size=args.block_size, topk=args.topk,
+                         init_blocks=args.init_blocks, index_init=args.index_init, max_tokens=args.max_tokens,
+                         time_budget=args.time_budget, device=device, parallel=parallel, fsdp=args.fsdp,
+                         activation_checkpointing=args.activation_checkpointing, cache_dir=args.cache_dir,
+                         progress=not args.no_progress, ready=say_notes)
+    if main_rank:
+        mdir = result.model_dir
+        print(f"model: {mdir} (msakit eval --model {mdir}; msakit generate {mdir})")
+        print(f"continue training: msakit convert --resume --out {out} --steps N "
+              f"(or msakit train --resume --out {out})")
+    return 0

@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from msakit.commands import command_parser
+from msakit.eval import EvalConfig, parse_policy, run_eval
+from msakit.ops.index_topk import Selection
+from msakit.eval.loading import load_eval_model, load_eval_tokenizer
+from msakit.train.trainer import resolve_device
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -42,7 +48,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="float32", metavar="DTYPE", help=f"model dtype: {', '.join(DTYPES)}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_run)
     return p
 
 
@@ -73,11 +78,8 @@ def _floats(name: str, text: str) -> list[float]:
     return out
 
 
-def parse_config(args: argparse.Namespace):
+def parse_config(args: argparse.Namespace) -> EvalConfig:
     """The EvalConfig of the command's arguments (ValueError naming the option on bad input)."""
-    from msakit.eval import EvalConfig, parse_policy
-    from msakit.ops.index_topk import Selection
-
     lengths = [_int("lengths", t, 64) for t in _list("lengths", args.lengths)]
     policies = _list("policies", args.policies)
     for pol in policies:
@@ -98,47 +100,7 @@ def parse_config(args: argparse.Namespace):
         raise ValueError(f"invalid settings: {e}") from None
 
 
-def _load_tokenizer(model_dir: Path, path: str | None):
-    from tokenizers import Tokenizer
-
-    tok = Path(path).expanduser() if path else model_dir / "tokenizer.json"
-    if not tok.is_file():
-        raise FileNotFoundError(f"no tokenizer at {tok}: give --tokenizer PATH/tokenizer.json")
-    return Tokenizer.from_file(str(tok))
-
-
-def load_eval_model(model_dir: Path, cfg: Any, *, device: Any, dtype: Any, init_blocks: int = 0,
-                    log=print) -> Any:
-    """Load the model folder.  A plain HF model runs window / oracle policies through
-    `HFPolicyModel`; with the msa policy it gets an untrained index branch at the budget
-    (seeded by cfg.seed) instead."""
-    from msakit.eval import HFPolicyModel, parse_policy
-    from msakit.models.convert import MSAWrappedModel, convert_dense_to_msa, load_for_conversion
-
-    model = load_for_conversion(model_dir, device=device, dtype=dtype)
-    kinds = {parse_policy(p)[0] for p in cfg.policies}
-    sparse = bool(kinds - {"dense", "last"})
-    if sparse and not hasattr(model, "set_attention_mode") and "msa" not in kinds:
-        log(f"running the policies on the HF model's attention ({cfg.budget}; no index branch)")
-        model = HFPolicyModel(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk, init_blocks=init_blocks)
-    elif sparse and not hasattr(model, "set_attention_mode"):
-        log(f"adding an untrained index branch ({cfg.budget}, init_blocks {init_blocks}, seed {cfg.seed})")
-        model = convert_dense_to_msa(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk,
-                                     init_blocks=init_blocks, seed=cfg.seed, device=device, dtype=dtype)
-    elif isinstance(model, MSAWrappedModel) and sparse and model.msa_config.selection.block_size != cfg.budget.block_size:
-        raise ValueError(f"{model_dir} selects blocks of {model.msa_config.selection.block_size} tokens; the budget {cfg.budget} "
-                         f"needs blocks of {cfg.budget.block_size}")
-    model.to(device=device, dtype=dtype)
-    model.eval()
-    return model
-
-
-def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from msakit.eval import run_eval
-    from msakit.train.trainer import resolve_device
-
+def run(args: argparse.Namespace) -> int:
     cfg = parse_config(args)
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
@@ -153,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out} exists and is not empty: pass --resume to continue it, or another --out")
     device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype)
-    tokenizer = _load_tokenizer(model_dir, args.tokenizer)
+    tokenizer = load_eval_tokenizer(model_dir, args.tokenizer)
     log = lambda s: print(f"msakit eval: {s}", file=sys.stderr, flush=True)  # noqa: E731
     log(f"loading {model_dir} ({args.dtype}, {device})")
     model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log)

@@ -9,14 +9,17 @@ accepted length is printed to stderr.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
 from msakit.commands import command_parser
+from msakit.commands.options import NONNEG_INT, POS_INT, SEED, Number, add_device_arg
+from msakit.speculative.textgen import TextGenerator
+from msakit.train.trainer import resolve_device
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from msakit.train.run import NONNEG_INT, POS_INT, SEED, Number, add_device_arg
-
     p = command_parser(subparsers, __doc__)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run folder (its latest checkpoint), checkpoint or model folder")
     p.add_argument("--prompt", default=None, help="prompt text (default: start a new document)")
@@ -34,11 +37,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="run the decode step under torch.compile (msakit models on the paged cache; not with --drafter)")
     add_device_arg(p)
-    p.set_defaults(func=_run)
     return p
 
 
-def _run(args: argparse.Namespace) -> int:
-    from msakit.train.run import run_generate
-
-    return run_generate(args)
+def run(args: argparse.Namespace) -> int:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise ValueError("give --prompt or --prompt-file, not both")
+    prompt = args.prompt
+    if args.prompt_file is not None:
+        prompt = Path(args.prompt_file).read_text(encoding="utf-8", errors="replace")
+    gen = TextGenerator.from_folders(args.checkpoint, device=resolve_device(args.device), tokenizer=args.tokenizer,
+                                     drafter=args.drafter, compile=args.compile)
+    stats = gen.stream(prompt or "", sys.stdout, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, mode=args.mode)
+    if stats is not None and stats.row_rounds:
+        print(f"speculative decoding: accepted length {stats.accepted_length:.2f} tokens per target forward "
+              f"({stats.rounds} rounds, {stats.accepted_drafts} of {stats.verified_drafts} drafts accepted)",
+              file=sys.stderr)
+    return 0

@@ -9,27 +9,28 @@ config.json + model.safetensors).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
 from msakit.commands import command_parser
+from msakit.commands.options import (NONNEG_INT, POS_FLOAT, POS_INT, SEED, Number, add_data_args, add_device_arg,
+                                     add_resume_arg, check_resume_options, data_options, given, resume_from)
+from msakit.speculative.runs import RegenPool, resume_drafter_run, train_drafter_run
+from msakit.speculative.train import DrafterTrainConfig
+from msakit.train.trainer import resolve_device
 
 DEFAULT_STEPS = 1000
 RESUME_OPTIONS = frozenset({"out", "resume", "steps", "time_budget", "tokenizer", "device", "no_progress", "cache_dir"})
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from msakit.train.run import NONNEG_INT, POS_FLOAT, POS_INT, SEED, Number, add_data_args, add_device_arg
-
     p = command_parser(subparsers, __doc__)
     p.add_argument("target", metavar="TARGET", help="the target: run folder (latest checkpoint), checkpoint or model folder")
     p.add_argument("--out", default="runs/drafter", metavar="DIR", help="run folder (default runs/drafter)")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
-                   help="continue the drafter run in --out (or from CKPT) with its recorded settings; only --steps "
-                        "(to train further), --time-budget, --tokenizer, --device, --cache-dir and --no-progress "
-                        "may be given with it")
+    add_resume_arg(p, "continue the drafter run in --out (or from CKPT) with its recorded settings; only --steps "
+                      "(to train further), --time-budget, --tokenizer, --device, --cache-dir and --no-progress may be "
+                      "given with it")
     d = p.add_argument_group("drafter")
     d.add_argument("--size", choices=("tiny", "small", "full"), default="small",
                    help="draft layers: tiny 1, small 2, full 5 (the released M3.1 drafter's depth)")
@@ -72,48 +73,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--seed", type=SEED, default=0, help="seed of the initialisation and the data order")
     add_device_arg(t)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_run)
     return p
 
 
-def _target_folder(path: Path) -> Path:
-    from msakit.train.run import folder_kind, model_folder
-
-    folder = model_folder(path, "target")
-    if folder_kind(folder) == "drafter":
-        raise ValueError(f"the target {path} is a DSpark drafter; pass the model the drafter is for")
-    return folder
-
-
-def _load_target(folder: Path, device):
-    from msakit.models import M3ForCausalLM
-
-    try:
-        return M3ForCausalLM.from_pretrained(folder, device=device)
-    except (ValueError, FileNotFoundError):
-        raise
-    except Exception as e:  # safetensors errors on a damaged folder
-        raise ValueError(f"cannot load the target in {folder}: {str(e).splitlines()[0]}") from None
-
-
-def _tokenizer(args, folder: Path, target_arg: Path):
-    from msakit.train.tokenizer import Tokenizer
-
-    if args.tokenizer:
-        return Tokenizer.load(args.tokenizer)
-    for cand in (folder / "tokenizer.json", target_arg / "tokenizer.json"):
-        if cand.is_file():
-            return Tokenizer.load(cand)
-    raise FileNotFoundError(f"no tokenizer.json beside the target {target_arg}; pass --tokenizer")
-
-
-def _drafter_config(args, target_cfg):
-    from msakit.speculative import DSparkConfig
-
-    if args.config:
-        cfg = DSparkConfig.from_pretrained(args.config)
-    else:
-        cfg = DSparkConfig.for_target(target_cfg, args.size)
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The DSparkConfig fields the options set."""
     over: dict[str, Any] = {}
     if args.layers is not None:
         over["num_hidden_layers"] = args.layers
@@ -132,116 +96,38 @@ def _drafter_config(args, target_cfg):
             raise ValueError(f"--taps must be comma-separated layer indices, got {args.taps!r}") from None
     if args.noise_token_id is not None:
         over["noise_token_id"] = args.noise_token_id
-    cfg = cfg.replace(**over) if over else cfg
-    cfg.check_target(target_cfg)
-    return cfg
+    return over
 
 
-def _with_pool(args, meta: dict, target, rows, out: Path, device):
-    """The training rows, with the target-written pool mixed in when the run uses one (written
-    once and saved beside the run, so a resume sees the same rows)."""
-    import numpy as np
-
-    from msakit.speculative.train import mix_streams, regenerate_pool
-    from msakit.train.data import PackedRows, TokenStream
-
-    spec = meta.get("regen_pool")
-    if not spec:
-        return rows
-    path = out / "regen_pool.npz"
-    if path.is_file():
-        with np.load(path, allow_pickle=False) as z:
-            pool = TokenStream(z["tokens"].astype(np.int32), z["doc_starts"].astype(np.int64),
-                               [f"regen/{i}" for i in range(len(z["doc_starts"]) - 1)], [])
-    else:
-        if args.resume:
-            raise FileNotFoundError(f"the run's regeneration pool {path} is missing; cannot resume the same run")
-        print(f"regenerating {spec['rows']} rows with the target ...", flush=True)
-        pool = regenerate_pool(target.to(device), rows, spec["rows"], spec["prompt_tokens"], device=device)
-        out.mkdir(parents=True, exist_ok=True)
-        np.savez(path, tokens=pool.tokens, doc_starts=pool.doc_starts)
-    return PackedRows(mix_streams(rows.stream, pool, spec["share"]), rows.context, rows.pad_id)
-
-
-def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from msakit.speculative import DSparkConfig, DSparkDrafter
-    from msakit.speculative.train import DrafterTrainConfig, DrafterTrainer
-    from msakit.train.run import (DEFAULT_CONTEXT, check_context, check_data_options, check_new_out,
-                                  check_resume_options, data_options, new_run_dir, open_resume, prepare)
-    from msakit.train.trainer import resolve_device
-
+def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     out = Path(args.out)
     device = resolve_device(args.device)
     if args.resume:
         check_resume_options(args, RESUME_OPTIONS)
-        point = open_resume(args, out, DrafterTrainConfig.from_dict, drafter=True)
-        if point is None:
+        result = resume_drafter_run(out, target=args.target, checkpoint=resume_from(args), steps=args.steps,
+                                    tokenizer=args.tokenizer, device=device, cache_dir=args.cache_dir,
+                                    progress=not args.no_progress, time_budget=args.time_budget)
+        if result is None:
             return 0
-        ck, state, cfg = point
-        meta = state.get("meta", {})
-        target_path = Path(meta.get("target", args.target))
-        folder = _target_folder(target_path)
-        target = _load_target(folder, device)
-        tok = _tokenizer(args, folder, target_path)
-        pd = prepare(meta["data"], tokenizer=tok, cache_dir=args.cache_dir)
-        drafter = DSparkDrafter(DSparkConfig.from_pretrained(ck))
-        guard = contextlib.nullcontext()
     else:
-        check_new_out(out, "drafter run")
-        given = set(getattr(args, "given", ()))
-        if "regen_share" in given and not args.regen_pool:
+        named = given(args)
+        if "regen_share" in named and not args.regen_pool:
             raise ValueError("--regen-share applies to a --regen-pool only")
-        if "regen_prompt_tokens" in given and not (args.regenerate or args.regen_pool):
+        if "regen_prompt_tokens" in named and not (args.regenerate or args.regen_pool):
             raise ValueError("--regen-prompt-tokens applies with --regenerate or --regen-pool only")
-        target_path = Path(args.target)
-        folder = _target_folder(target_path)
-        target = _load_target(folder, device)
-        # everything is validated before the (slower) data preparation
-        dcfg = _drafter_config(args, target.config)
-        tok = _tokenizer(args, folder, target_path)
-        if tok.vocab_size > target.config.vocab_size:
-            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the target's vocabulary is "
-                             f"{target.config.vocab_size}")
-        maxpos = target.config.max_position_embeddings
-        context = args.context if args.context is not None else min(DEFAULT_CONTEXT, maxpos)
-        check_context(target.config, context)
-        opts = data_options(args, context)
-        check_data_options(opts)
         cfg = DrafterTrainConfig(
             steps=args.steps if args.steps is not None else DEFAULT_STEPS, batch_size=args.batch_size,
             anchors=args.anchors, lr=args.lr, warmup_frac=args.warmup_frac, weight_decay=args.weight_decay,
             grad_clip=args.grad_clip, regenerate=args.regenerate, regen_prompt_tokens=args.regen_prompt_tokens,
             log_every=args.log_every, eval_every=args.eval_every, eval_rows=args.eval_rows,
             save_every=args.save_every, keep_checkpoints=args.keep, seed=args.seed)
-        meta = {"target": str(target_path.resolve()), "data": opts}
-        if args.regenerate or args.regen_pool:
-            if not 1 <= args.regen_prompt_tokens < context:
-                raise ValueError(f"--regen-prompt-tokens must be in [1, context={context}), got "
-                                 f"{args.regen_prompt_tokens}")
-        if args.regen_pool:
-            meta["regen_pool"] = {"rows": args.regen_pool, "share": args.regen_share,
-                                  "prompt_tokens": args.regen_prompt_tokens}
-        guard = new_run_dir(out, "drafter run")
-    with guard:  # a fresh run that fails before its first checkpoint leaves nothing behind
-        if not args.resume:
-            pd = prepare(opts, tokenizer=tok, cache_dir=args.cache_dir)
-            torch.manual_seed(args.seed)
-            drafter = DSparkDrafter(dcfg)
-        train_rows = _with_pool(args, meta, target, pd.train, out, device)
-        trainer = DrafterTrainer(target, drafter, cfg, train_rows, pd.val, out_dir=out, device=device, tokenizer=tok,
-                                 progress=not args.no_progress, meta=meta)
-        if args.resume:
-            trainer.resume(ck)
-            print(f"resumed {ck} at step {trainer.step}")
-        dc = drafter.config
-        n = sum(p.numel() for p in drafter.parameters())
-        print(f"drafter: {n / 1e6:.2f}M parameters, {dc.num_hidden_layers} layers, taps {dc.target_layer_ids}, "
-              f"block {dc.block_size}, Markov rank {dc.markov_rank}; target {folder} on {trainer.device}; "
-              f"{cfg.steps} steps x {cfg.batch_size} rows x {cfg.anchors} anchors", flush=True)
-        trainer.fit(max_seconds=args.time_budget)
+        pool = RegenPool(args.regen_pool, args.regen_share, args.regen_prompt_tokens) if args.regen_pool else None
+        result = train_drafter_run(out, args.target, train=cfg, data=data_options(args, args.context),
+                                   size=args.size, config=args.config, overrides=_overrides(args),
+                                   tokenizer=args.tokenizer, regen_pool=pool, device=device, cache_dir=args.cache_dir,
+                                   progress=not args.no_progress, time_budget=args.time_budget)
+    trainer = result.trainer
     ev = trainer.last_eval or {}
     last = trainer.history[-1] if trainer.history else {}
     msg = f"done: step {trainer.step}"
@@ -251,5 +137,5 @@ def _run(args: argparse.Namespace) -> int:
         msg += f", val loss {ev.get('val_loss', float('nan')):.4f}, implied accepted length (T=1) " \
                f"{ev.get('val_accept_len', float('nan')):.2f}"
     print(msg + f" ({time.time() - t0:.0f}s); checkpoints in {out / 'checkpoints'}")
-    print(f"speculative generation: msakit generate {target_path} --drafter {out}")
+    print(f"speculative generation: msakit generate {result.target} --drafter {out}")
     return 0

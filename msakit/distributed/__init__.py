@@ -4,12 +4,12 @@ Built on torch.distributed only (process groups, `DeviceMesh`, `fully_shard`,
 `torch.distributed.checkpoint`).  See docs/distributed.md for the design, its numbers and the
 commands.
 
-- `launch`: ranks / devices / seeds from the environment, the (dp, cp) mesh, fit checks
+- `launch`: ranks / devices / seeds from the environment, the (dp, cp) mesh, fit checks, `setup_distributed`
 - `fsdp`: FSDP2 wrapping of M3ForCausalLM, gradient averaging without FSDP
 - `cp`: context-parallel MSA (`ContextParallel`, `cp_msa_attention`)
 - `step`: one rank's share of a training step's loss
 - `checkpoint`: sharded DCP checkpoints, conversion to / from safetensors
-- `args`: the command-line flags (--cp, --fsdp, --activation-checkpointing)
+- the command-line flags (--cp, --fsdp, --activation-checkpointing) live in `msakit.commands.options`
 """
 
 from __future__ import annotations

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import datetime
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["DistEnv", "Parallel", "env_ranks", "init_distributed", "make_parallel", "check_fit", "rank_seed",
-           "print0", "DEFAULT_TIMEOUT_S"]
+           "print0", "setup_distributed", "is_main", "rank0_first", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600
 
@@ -157,3 +158,34 @@ def make_parallel(env: DistEnv, cp: int = 1, *, batch_size: int | None = None) -
     mesh = init_device_mesh(env.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     fsdp_mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("fsdp",))
     return Parallel(env, dp=dp, cp=cp, dp_rank=env.rank // cp, cp_rank=env.rank % cp, mesh=mesh, fsdp_mesh=fsdp_mesh)
+
+
+def setup_distributed(*, cp: int = 1, fsdp: bool = False, device: str | torch.device | None = None,
+                      batch_size: int | None = None) -> Parallel | None:
+    """Join the torchrun process group (when the environment names one) and build the (dp, cp) mesh.
+
+    Returns None for a one-process run without context parallelism or FSDP (the Trainer's plain
+    path).  Raises ValueError for a world size that does not fit `cp` or the global batch, on
+    every rank."""
+    env = init_distributed(device)
+    if not env.distributed:
+        if cp != 1 or fsdp:
+            raise ValueError("--cp and --fsdp need several processes: launch with "
+                             "`torchrun --nproc-per-node N -m msakit ...`")
+        return None
+    return make_parallel(env, cp, batch_size=batch_size)
+
+
+def is_main(parallel: Parallel | None) -> bool:
+    return parallel is None or parallel.env.is_main
+
+
+@contextmanager
+def rank0_first(parallel: Parallel | None) -> Iterator[None]:
+    """Rank 0 runs the body first; the other ranks wait for it, then run the body themselves."""
+    multi = parallel is not None and parallel.env.distributed and dist.is_initialized()
+    if multi and not parallel.env.is_main:
+        dist.barrier()
+    yield
+    if multi and parallel.env.is_main:
+        dist.barrier()

@@ -5,8 +5,9 @@
     drafter = DSparkDrafter(dcfg).bind(target)               # shares the target's embedding / head
     tokens = speculative_generate(target, drafter, prompt, 128, temperature=1.0)
 
-Training (`msakit train-drafter`, `msakit.speculative.train`): the target frozen, its tap states captured
-on the fly, loss 0.1 CE + 0.9 TV + 1.0 BCE(confidence) with position weights exp(-k / 4).
+Training (`msakit train-drafter`, `msakit.speculative.train`; runs in a folder: `msakit.speculative.runs`):
+the target frozen, its tap states captured on the fly, loss 0.1 CE + 0.9 TV + 1.0 BCE(confidence) with
+position weights exp(-k / 4).  Text from model folders (`msakit generate`): `msakit.speculative.textgen`.
 See docs/spec.md for the design and the verification rules.
 """
 

@@ -21,7 +21,6 @@ inside an empty one) and moved into place at the end; a failed, interrupted (Ctr
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -30,7 +29,19 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import torch
+
+from msakit.generate import generate
+from msakit.models import M3Config, M3ForCausalLM
+from msakit.train import checkpoint as ckpt_mod
+from msakit.train.data import eval_batches, prepare_data
+from msakit.train.folders import check_context, first_missing_ancestor
+from msakit.train.metrics import autocast_for
+from msakit.train.plots import write_plots
+from msakit.train.tokenizer import TextStreamer
+from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, read_metrics, resolve_device
 
 # eval_rows == final_eval_rows: the validation curve and the final dense/sparse evaluation use the
 # same validation rows, so the plot compares like with like.
@@ -47,34 +58,6 @@ DEFAULT_PROMPT = 'def read_config(path):\n    """Read a configuration file and r
 
 
 DEMO_MARKER = ".msakit-demo.json"
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from msakit.train.run import POS_FLOAT, POS_INT, SEED, Number, add_device_arg
-
-    p = subparsers.add_parser(
-        "demo", help="train the tiny M3 model on the stdlib corpus in ~3 minutes and report dense vs sparse",
-        description=__doc__.split("\n\n")[0] + "  Writes report.md, metrics.jsonl and loss.png under --out.")
-    p.add_argument("--preset", choices=tuple(PROFILES), default="tiny", help="tiny (CPU, default) or small (GPU)")
-    add_device_arg(p)
-    p.add_argument("--out", default="runs/demo", metavar="DIR",
-                   help="output folder: new, empty or an earlier demo's output (default runs/demo)")
-    p.add_argument("--budget", type=POS_FLOAT, default=None, metavar="SECONDS",
-                   help="wall-time budget of the whole demo (default 180 for tiny, 600 for small)")
-    p.add_argument("--steps", type=Number(int, 2), default=None, metavar="N",
-                   help="train exactly N steps (no time planning)")
-    p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="extra files or folders for the corpus")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the generated sample")
-    p.add_argument("--seed", type=SEED, default=0, help="seed of the initialisation, data order and sample")
-    p.add_argument("--threads", type=POS_INT, default=None, metavar="N", help="CPU threads for torch (default: torch's)")
-    p.add_argument("--cache-dir", metavar="DIR", help="tokenizer / token cache (default $MSAKIT_CACHE or ~/.cache/msakit)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_run)
-    return p
-
-
-def _run(args: argparse.Namespace) -> int:
-    return run_demo(args)
 
 
 def _plan_steps(hist: list[dict], remaining: float, ncal: int, prof: dict, max_steps: int) -> tuple[int, int, dict]:
@@ -97,57 +80,52 @@ def _plan_steps(hist: list[dict], remaining: float, ncal: int, prof: dict, max_s
     return n, n_sparse, {"t_dense_s": t_dense, "t_sparse_s": t_sparse, "t_kl_step_s": t_kl, "t_plain_step_s": t_no}
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    import torch
-
-    from msakit.models import M3Config, M3ForCausalLM
-    from msakit.train import checkpoint as ckpt_mod
-    from msakit.train.data import eval_batches, prepare_data
-    from msakit.train.metrics import autocast_for
-    from msakit.train.plots import write_plots
-    from msakit.generate import generate
-    from msakit.train.run import TextStreamer, check_context, first_missing_ancestor
-    from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, read_metrics, resolve_device
-
+def run_demo(*, preset: str = "tiny", out: str | Path = "runs/demo", device: str = "auto", budget: float | None = None,
+             steps: int | None = None, data: Sequence[str] | None = None, prompt: str = DEFAULT_PROMPT, seed: int = 0,
+             threads: int | None = None, cache_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """The demo (see the module docstring) with profile `preset` into `out`, on a wall-time
+    `budget` in seconds (default: the profile's) or for exactly `steps` steps; `data` adds files
+    or folders to the corpus, `prompt` starts the sample.  Returns what the report states (the
+    final record under "final", the sample, timings)."""
     t_start = time.time()
-    prof = dict(PROFILES[args.preset])
-    budget = float(args.budget if args.budget is not None else prof["budget_s"])
+    prof = dict(PROFILES[preset])
+    budget = float(budget if budget is not None else prof["budget_s"])
     if not budget > 0:
         raise ValueError(f"--budget must be positive, got {budget}")
-    if args.steps is not None and args.steps < 2:
-        raise ValueError(f"--steps must be at least 2, got {args.steps}")
-    device = resolve_device(args.device)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be positive, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    if steps is not None and steps < 2:
+        raise ValueError(f"--steps must be at least 2, got {steps}")
+    device = resolve_device(device)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be positive, got {threads}")
+        torch.set_num_threads(threads)
+    out = Path(out)
     mode = output_mode(out)  # refuses a folder that holds anything but an earlier demo's output
     log = lambda msg: print(msg, flush=True)  # noqa: E731
 
-    torch.manual_seed(args.seed)
-    mcfg0 = M3Config.preset(args.preset, vocab_size=prof["vocab_size"])
+    torch.manual_seed(seed)
+    mcfg0 = M3Config.preset(preset, vocab_size=prof["vocab_size"])
     check_context(mcfg0, prof["context"])
-    max_steps = args.steps if args.steps is not None else prof["max_steps"]
+    max_steps = steps if steps is not None else prof["max_steps"]
     B, T = prof["batch_size"], prof["context"]
-    log(f"msakit demo: preset {args.preset} on {device} ({torch.get_num_threads()} threads), budget {budget:.0f}s")
+    log(f"msakit demo: preset {preset} on {device} ({torch.get_num_threads()} threads), budget {budget:.0f}s")
 
     # 1. data ------------------------------------------------------------------------------------
     t0 = time.time()
     max_train_tokens = max_steps * B * T
-    pd = prepare_data(args.data, stdlib=True, vocab_size=prof["vocab_size"], context=T, cache_dir=args.cache_dir,
+    pd = prepare_data(data, stdlib=True, vocab_size=prof["vocab_size"], context=T, cache_dir=cache_dir,
                       max_train_tokens=max_train_tokens, max_val_tokens=max(prof["final_eval_rows"], prof["eval_rows"]) * T,
                       tokenizer_max_bytes=prof["tokenizer_bytes"])
     tok = pd.tokenizer
     t_data = time.time() - t0
     # at most max_epochs passes over the training rows (a fast GPU would otherwise just memorise the corpus)
-    if args.steps is None:
+    if steps is None:
         max_steps = max(prof["calib_steps"] + 8, min(max_steps, int(prof["max_epochs"] * len(pd.train) / B)))
     log(f"data ({t_data:.1f}s): {pd.summary()}")
 
     # 2. model -----------------------------------------------------------------------------------
-    mcfg = M3Config.preset(args.preset, vocab_size=tok.vocab_size)
-    torch.manual_seed(args.seed)
+    mcfg = M3Config.preset(preset, vocab_size=tok.vocab_size)
+    torch.manual_seed(seed)
     model = M3ForCausalLM(mcfg)
     n_params = sum(p.numel() for p in model.parameters())
     E, k_act = mcfg.num_local_experts, mcfg.num_experts_per_tok
@@ -170,18 +148,18 @@ def run_demo(args: argparse.Namespace) -> int:
         cfg = TrainConfig(steps=max_steps, batch_size=B, lr=prof["lr"], lr_warmup_steps=prof["lr_warmup_steps"],
                           dense_warmup_steps=max_steps, kl_every=prof["kl_every"], log_every=5,
                           eval_every=max_steps, eval_rows=prof["eval_rows"], recall_rows=prof["recall_rows"],
-                          save_every=max_steps, keep_checkpoints=1, seed=args.seed)
-        meta = {"kind": "demo", "preset": args.preset,
-                "data": {"data": [str(d) for d in (args.data or [])], "stdlib": True, "vocab_size": prof["vocab_size"],
+                          save_every=max_steps, keep_checkpoints=1, seed=seed)
+        meta = {"kind": "demo", "preset": preset,
+                "data": {"data": [str(d) for d in (data or [])], "stdlib": True, "vocab_size": prof["vocab_size"],
                          "context": T, "val_fraction": 0.02, "long_min_tokens": 32768,
                          "max_train_tokens": max_train_tokens},
                 "long_files": [f.name for f in pd.corpus.long]}
         trainer = Trainer(model, cfg, pd.train, pd.val, out_dir=work, device=device, tokenizer=tok,
-                          progress=not args.no_progress, meta=meta)
+                          progress=progress, meta=meta)
         plan: dict[str, Any] = {}
         t_train0 = time.time()
         reserve = 0.0
-        if args.steps is None:
+        if steps is None:
             ncal = prof["calib_steps"]
             trainer.fit(until=ncal)
             # what follows training: 3 small evaluations, the final dense + sparse evaluation (forward only,
@@ -195,7 +173,7 @@ def run_demo(args: argparse.Namespace) -> int:
             n, n_sparse, plan = _plan_steps(trainer.history, remaining, ncal, prof, max_steps)
             plan["reserve_s"] = reserve
         else:
-            n = args.steps
+            n = steps
             n_sparse = max(1, int(round(prof["sparse_fraction"] * n)))
         cfg.steps = n
         cfg.dense_warmup_steps = n - n_sparse
@@ -203,7 +181,7 @@ def run_demo(args: argparse.Namespace) -> int:
         cfg.save_every = n
         log(f"plan: {n} steps ({n - n_sparse} full attention + {n_sparse} sparse), {B} x {T} tokens each"
             + (f"; measured {plan['t_dense_s']:.2f}s per dense step" if plan else ""))
-        deadline = t_start + budget - 0.5 * reserve if args.steps is None else None
+        deadline = t_start + budget - 0.5 * reserve if steps is None else None
         trainer.fit(deadline=deadline)
         if trainer.step < cfg.steps:  # behind schedule: end here (and still compare dense vs sparse)
             log(f"time budget reached at step {trainer.step} of {cfg.steps}")
@@ -215,7 +193,7 @@ def run_demo(args: argparse.Namespace) -> int:
         # 4. evaluate ----------------------------------------------------------------------------
         t0 = time.time()
         rows = prof["final_eval_rows"]
-        if args.steps is None and trainer.history:  # behind schedule (a busy machine): a smaller final evaluation
+        if steps is None and trainer.history:  # behind schedule (a busy machine): a smaller final evaluation
             recent = trainer.history[-10:]
             t_fwd = sum(r["time_s"] for r in recent) / len(recent) / 3
             left = budget - (time.time() - t_start) - 3.0
@@ -238,14 +216,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
         # sample --------------------------------------------------------------------------------
         t0 = time.time()
-        ids = tok.encode(args.prompt) or [tok.eos_id]
+        ids = tok.encode(prompt) or [tok.eos_id]
         n_new = min(prof["sample_tokens"], mcfg.max_position_embeddings - len(ids))
-        gen = torch.Generator(device="cpu").manual_seed(args.seed)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
         streamer = TextStreamer(tok, stream=_NullStream(), eos_id=tok.eos_id)
         with torch.no_grad(), autocast_for(device):
             generate(model, torch.tensor([ids], device=device), max(0, n_new), temperature=0.8, top_k=40,
                            generator=gen, streamer=streamer, eos_token_id=tok.eos_id)
-        sample = args.prompt + streamer.text()
+        sample = prompt + streamer.text()
         t_sample = time.time() - t0
 
         write_plots(work / METRICS_FILE, work, switch_step=cfg.dense_warmup_steps if n_sparse else None)
@@ -253,7 +231,7 @@ def run_demo(args: argparse.Namespace) -> int:
         train_loads = [r["load_balance"] for r in recs if r.get("kind") == "train" and r.get("load_balance")]
         total = time.time() - t_start
         info = dict(
-            preset=args.preset, device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
+            preset=preset, device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
             python=platform.python_version(), params=n_params, active=active, config=mcfg, train_cfg=cfg,
             corpus=pd.corpus.summary(), train_tokens=pd.train.num_tokens, vocab=tok.vocab_size, data_s=t_data,
             tok_timings=pd.timings, train_s=t_train, eval_s=t_eval, sample_s=t_sample, total_s=total,
@@ -270,8 +248,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise
-    _print_summary(info, out)
-    return 0
+    return info
 
 
 def _umask() -> int:
@@ -342,7 +319,7 @@ def move_into_place(work: Path, out: Path, mode: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _fmt_list(xs, nd=3) -> str:
+def fmt_list(xs, nd=3) -> str:
     return ", ".join("n/a" if (x is None or (isinstance(x, float) and math.isnan(x))) else f"{x:.{nd}f}" for x in xs)
 
 
@@ -384,7 +361,7 @@ def _report(i: dict, out: Path) -> str:
     ]
     for li, (r, o, rf, of, kl) in enumerate(zip(f["recall_per_layer"], f["oracle_per_layer"], f["recall_far_per_layer"],
                                                f["oracle_far_per_layer"], f["kl_per_layer"])):
-        lines.append(f"| {li} | {r:.3f} | {o:.3f} | {_fmt_list([rf])} | {_fmt_list([of])} | {kl:.4f} |")
+        lines.append(f"| {li} | {r:.3f} | {o:.3f} | {fmt_list([rf])} | {fmt_list([of])} | {kl:.4f} |")
     if f["recall_per_layer"]:
         mr = sum(f["recall_per_layer"]) / len(f["recall_per_layer"])
         mo = sum(f["oracle_per_layer"]) / len(f["oracle_per_layer"])
@@ -409,7 +386,7 @@ def _report(i: dict, out: Path) -> str:
     ]
     if i["train_loads"]:
         lines.append(f"- Expert load balance (max / mean tokens per expert, per MoE layer, last log interval): "
-                     f"{_fmt_list(i['train_loads'], 2)}; on validation: {_fmt_list(f['val_load_balance'], 2)}.")
+                     f"{fmt_list(i['train_loads'], 2)}; on validation: {fmt_list(f['val_load_balance'], 2)}.")
     if i["evals"]:
         lines.append("- Validation during training: " + "; ".join(
             f"step {e['step']} ({e['mode']}) {e['val_loss']:.3f}" for e in i["evals"]) + ".")
@@ -449,20 +426,4 @@ def _ctx(i: dict) -> int:
     return PROFILES[i["preset"]]["context"]
 
 
-def _print_summary(i: dict, out: Path) -> None:
-    f = i["final"]
-    ok = f["relative_gap"] <= BAR
-    r = f["recall_per_layer"]
-    o = f["oracle_per_layer"]
-    print()
-    print(f"msakit demo finished in {i['total_s']:.0f}s ({i['train_cfg'].steps} steps, {i['tokens_seen']:,} tokens)")
-    print(f"  validation loss, same weights: dense {f['val_loss_dense']:.4f}, sparse {f['val_loss_sparse']:.4f} "
-          f"({100 * f['relative_gap']:+.2f}%, {'PASS' if ok else 'FAIL'}: bar {100 * BAR:.0f}%)")
-    if r:
-        print(f"  indexer recall per layer: {_fmt_list(r)} (oracle {_fmt_list(o)})")
-    first = i["sample"].splitlines()[:4]
-    print("  sample: " + "\n          ".join(first))
-    print(f"  report: {out / 'report.md'}  plots: {out / 'loss.png'}, {out / 'recall.png'}")
-
-
-__all__ = ["add_parser", "run_demo", "PROFILES"]
+__all__ = ["run_demo", "PROFILES", "BAR", "DEFAULT_PROMPT", "DEMO_MARKER", "fmt_list"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -88,6 +89,40 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise ValueError(f"cannot read tokenizer {p}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         return cls(tok, eos_id)
+
+
+class TextStreamer:
+    """`streamer(tokens [B])` for `model.generate`: decodes row 0 incrementally to a text stream
+    (holding back an incomplete UTF-8 sequence until its last byte arrives); stops at EOS.
+    `push(token)` feeds one token id (what the speculative streamer adapter calls)."""
+
+    def __init__(self, tokenizer, stream=None, eos_id: int | None = None) -> None:
+        self.tok = tokenizer
+        self.stream = stream if stream is not None else sys.stdout
+        self.eos_id = eos_id
+        self.ids: list[int] = []
+        self.printed = 0
+        self.done = False
+
+    def __call__(self, tokens) -> None:
+        self.push(int(tokens.reshape(-1)[0]))
+
+    def push(self, t: int) -> None:
+        if self.done:
+            return
+        if self.eos_id is not None and t == self.eos_id:
+            self.done = True
+            return
+        self.ids.append(t)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.stream.write(text[self.printed:])
+        self.stream.flush()
+        self.printed = len(text)
+
+    def text(self) -> str:
+        return self.tok.decode(self.ids)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

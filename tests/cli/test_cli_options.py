@@ -14,7 +14,7 @@ from msakit.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# options whose type is not a msakit.train.run.Number / DeviceArg: their invalid values by hand
+# options whose type is not a msakit.commands.options.Number / DeviceArg: their invalid values by hand
 EXTRA_INVALID = {("cost", "--context"): ["0", "-3", "x", "1.5"]}
 # `eval` parses its numbers itself (after argparse, before any work): its invalid values by hand
 EVAL_INVALID = {"--samples": ["0", "x"], "--batch-size": ["0", "-1"], "--seed": ["-1", "x"],

@@ -154,7 +154,7 @@ def _args(*argv):
 
 
 def test_warmups_scale_to_a_short_run_and_given_ones_are_kept():
-    from msakit.train.run import optim_config
+    from msakit.commands.options import optim_config
 
     notes = []
     cfg = optim_config(_args("train", "--steps", "10"), warn=notes.append)
@@ -179,7 +179,7 @@ def test_warmups_scale_to_a_short_run_and_given_ones_are_kept():
 
 def test_size_check_counts_before_building(monkeypatch):
     from msakit.models import M3Config
-    from msakit.train.run import check_fits, config_params
+    from msakit.train.runs import check_fits, config_params
 
     n = config_params(M3Config.preset("minimax-m3"))
     assert 3e11 < n < 6e11

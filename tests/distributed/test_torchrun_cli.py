@@ -1,6 +1,6 @@
 """`torchrun --nproc-per-node 2 -m msakit train --fsdp ...` on CPU: one log, one tokenizer, a
 sharded checkpoint, output printed by rank 0 only; and a world size that does not fit --cp stops
-with a clear error instead of hanging.  Needs the CLI wiring of msakit.distributed.args."""
+with a clear error instead of hanging.  Needs the CLI wiring of msakit.commands.options."""
 
 from __future__ import annotations
 

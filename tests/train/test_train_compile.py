@@ -267,7 +267,7 @@ def test_cli_compile_flag():
     from msakit.cli import build_parser
 
     args = build_parser().parse_args(["train", "--compile", "--out", "x"])
-    from msakit.train.run import optim_config
+    from msakit.commands.options import optim_config
 
     assert optim_config(args, warn=lambda _: None).compile is True
     args = build_parser().parse_args(["train", "--out", "x"])

@@ -1,0 +1,48 @@
+"""Loading what `run_eval` takes from a model folder: the model, prepared for the policies asked
+for, and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from msakit.eval.hf_policy import HFPolicyModel
+from msakit.eval.runner import EvalConfig, parse_policy
+from msakit.models.convert import MSAWrappedModel, convert_dense_to_msa, load_for_conversion
+
+__all__ = ["load_eval_model", "load_eval_tokenizer"]
+
+
+def load_eval_tokenizer(model_dir: Path, path: str | Path | None = None):
+    """The `tokenizers.Tokenizer` of `path` (a tokenizer.json; default the model folder's)."""
+    # tokenizers is an optional dependency (msakit[train]): imported only when a tokenizer is loaded
+    from tokenizers import Tokenizer
+
+    tok = Path(path).expanduser() if path else Path(model_dir) / "tokenizer.json"
+    if not tok.is_file():
+        raise FileNotFoundError(f"no tokenizer at {tok}: give --tokenizer PATH/tokenizer.json")
+    return Tokenizer.from_file(str(tok))
+
+
+def load_eval_model(model_dir: Path, cfg: EvalConfig, *, device: Any, dtype: Any, init_blocks: int = 0,
+                    log: Callable[[str], None] = print) -> Any:
+    """Load the model folder.  A plain HF model runs window / oracle policies through
+    `HFPolicyModel`; with the msa policy it gets an untrained index branch at the budget
+    (seeded by cfg.seed) instead."""
+    model = load_for_conversion(model_dir, device=device, dtype=dtype)
+    kinds = {parse_policy(p)[0] for p in cfg.policies}
+    sparse = bool(kinds - {"dense", "last"})
+    if sparse and not hasattr(model, "set_attention_mode") and "msa" not in kinds:
+        log(f"running the policies on the HF model's attention ({cfg.budget}; no index branch)")
+        model = HFPolicyModel(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk, init_blocks=init_blocks)
+    elif sparse and not hasattr(model, "set_attention_mode"):
+        log(f"adding an untrained index branch ({cfg.budget}, init_blocks {init_blocks}, seed {cfg.seed})")
+        model = convert_dense_to_msa(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk,
+                                     init_blocks=init_blocks, seed=cfg.seed, device=device, dtype=dtype)
+    elif isinstance(model, MSAWrappedModel) and sparse and model.msa_config.selection.block_size != cfg.budget.block_size:
+        raise ValueError(f"{model_dir} selects blocks of {model.msa_config.selection.block_size} tokens; the budget "
+                         f"{cfg.budget} "
+                         f"needs blocks of {cfg.budget.block_size}")
+    model.to(device=device, dtype=dtype)
+    model.eval()
+    return model

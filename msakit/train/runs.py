@@ -1,0 +1,441 @@
+"""Training runs in a run folder: a new run (`train_run`: a model from a preset, a config or a
+model folder), a conversion run (`convert_run`: a dense model gets MSA index branches, which then
+train), and the continuation of either from its checkpoint (`resume_run`).
+
+Every user error (missing or unreadable data, a corrupt or mismatching checkpoint, an unsupported
+config, a model too large for the device, an empty corpus, a context beyond the model's
+positions, a run folder that is not empty) is raised as ValueError / FileNotFoundError /
+PermissionError before anything is written; checks that need the model run before the data are
+prepared.  A run records its data settings and recipe in its checkpoints, so that `resume_run`
+continues it with the same data order and settings.  Progress lines go to `log` (rank 0 only on
+several processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from msakit.cost import ModelShape, total_params
+from msakit.distributed.launch import Parallel, is_main, rank0_first
+from msakit.models import M3Config, M3ForCausalLM
+from msakit.models.convert import convert_dense_to_msa
+from msakit.train import checkpoint as ckpt_mod
+from msakit.train.corpus import DEFAULT_LONG_MIN_TOKENS, DEFAULT_VAL_FRACTION
+from msakit.train.data import PreparedData, prepare_data
+from msakit.train.folders import (MODEL_DIR, check_context, check_new_out, check_vocab, folder_kind, load_model_folder,
+                                  model_folder, new_run_dir, run_folder_of, save_model_folder, tokenizer_beside)
+from msakit.train.tokenizer import Tokenizer
+from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, config_from_dict, read_metrics
+
+DEFAULT_CONTEXT = 512
+TRAIN_BYTES_PER_PARAM = 16  # float32 weights (4) + gradients (4) + AdamW moments (8)
+HOST_BYTES_PER_PARAM = 4  # the model is built in float32 on the host before it moves to the device
+DTYPES = ("float32", "bfloat16")  # weight dtypes of a conversion run
+
+Log = Callable[[str], None]
+say = functools.partial(print, flush=True)  # the default `log`
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class DataOptions:
+    """The data settings a run records (and a resume replays): the corpus (extra paths, the
+    standard library or not), the BPE vocabulary to train (None: the tokenizer given decides),
+    tokens per row (None: the run's default), the validation / long-document hold-outs and an
+    optional cap on the training tokens."""
+
+    data: list[str] = field(default_factory=list)
+    stdlib: bool = True
+    vocab_size: int | None = None
+    context: int | None = DEFAULT_CONTEXT
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    long_min_tokens: int = DEFAULT_LONG_MIN_TOKENS
+    max_train_tokens: int | None = None
+
+    def check(self) -> None:
+        """ValueError for settings no corpus can satisfy (also for settings read from a checkpoint)."""
+        if self.context is not None and self.context < 2:
+            raise ValueError(f"--context must be at least 2, got {self.context}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.max_train_tokens is not None and self.max_train_tokens < 1:
+            raise ValueError("--max-train-tokens must be positive")
+        if not self.stdlib and not self.data:
+            raise ValueError("empty corpus: --no-stdlib given and no --data paths")
+        for d in self.data:
+            if not Path(d).exists():
+                raise FileNotFoundError(f"--data path not found: {d}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataOptions":
+        return config_from_dict(cls, d)
+
+
+def _with_context(opts: DataOptions) -> DataOptions:
+    return opts if opts.context is not None else dataclasses.replace(opts, context=DEFAULT_CONTEXT)
+
+
+def prepare(opts: DataOptions, *, tokenizer: Tokenizer | None = None, cache_dir: str | None = None,
+            log: Log = print) -> PreparedData:
+    """The corpus, tokenizer and packed rows of `opts` (`msakit.train.data.prepare_data`)."""
+    opts.check()
+    if opts.vocab_size is None and tokenizer is None:
+        raise ValueError("no vocabulary size and no tokenizer: one of them is needed to prepare the data")
+    t0 = time.time()
+    kw = {} if opts.vocab_size is None else {"vocab_size": opts.vocab_size}
+    pd = prepare_data(opts.data or None, stdlib=opts.stdlib, context=opts.context, tokenizer=tokenizer,
+                      cache_dir=cache_dir, val_fraction=opts.val_fraction, long_min_tokens=opts.long_min_tokens,
+                      max_train_tokens=opts.max_train_tokens, **kw)
+    log(f"data: {pd.summary()} ({time.time() - t0:.1f}s)")
+    return pd
+
+
+# ----------------------------------------------------------------------------- models and their size
+def model_config(preset: str | None, config_path: str | None, vocab_size: int, *, attention: str = "msa",
+                 **overrides) -> M3Config:
+    """The M3Config of a preset or a config.json (or its folder), at `vocab_size`; attention
+    "dense": a plain GQA model without index branches (the source of a conversion)."""
+    if config_path:
+        p = Path(config_path)
+        if not p.exists():
+            raise FileNotFoundError(f"config not found: {config_path}")
+        cfg = M3Config.from_pretrained(p)
+        cfg = cfg.replace(vocab_size=vocab_size, **overrides)
+    else:
+        cfg = M3Config.preset(preset if preset is not None else "tiny", vocab_size=vocab_size, **overrides)
+    if attention == "dense":
+        cfg = cfg.replace(sparse_attention_freq=[0] * cfg.num_hidden_layers)
+    return cfg
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a conversion run's weight dtype name (DTYPES)."""
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def available_memory(device) -> int | None:
+    """Free bytes on `device`: CUDA's free memory, the host's MemAvailable; None if unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    if dev.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e12:,.2f} TB" if n >= 1e12 else f"{n / 1e9:,.2f} GB"
+
+
+def check_fits(n_params: int, device, *, available: Callable[[Any], int | None] = available_memory,
+               bytes_per_param: int = TRAIN_BYTES_PER_PARAM) -> None:
+    """ValueError when training `n_params` parameters cannot fit: `bytes_per_param` per parameter
+    on `device` (default TRAIN_BYTES_PER_PARAM: float32 weights, gradients and AdamW moments;
+    the weights' size alone for a frozen backbone; activations not counted) and, off the CPU, the
+    float32 model on the host where it is built first."""
+    dev = torch.device(device)
+    why = ("weights, gradients and AdamW moments in float32" if bytes_per_param == TRAIN_BYTES_PER_PARAM
+           else "the frozen weights")
+    needs = [(dev, n_params * bytes_per_param, f"{why}, {bytes_per_param} bytes per parameter; activations not "
+              "counted")]
+    if dev.type != "cpu":
+        needs.append((torch.device("cpu"), n_params * HOST_BYTES_PER_PARAM,
+                      "the float32 model is built on the host first"))
+    for d, need, why in needs:
+        avail = available(d)
+        if avail is not None and need > avail:
+            raise ValueError(f"the model has {n_params / 1e9:,.1f}B parameters: training it needs at least "
+                             f"{_gb(need)} on {d} ({why}) but {_gb(avail)} are available")
+
+
+def config_params(cfg: M3Config) -> int:
+    """Parameter count of an M3Config (msakit.cost's exact count), without building the model."""
+    return int(total_params(cfg.to_shape()))
+
+
+def check_folder_fits(folder: Path, device, bytes_per_param: int = TRAIN_BYTES_PER_PARAM) -> None:
+    """check_fits for a model folder, counted from its config.json (when msakit.cost reads it)."""
+    try:
+        n = total_params(ModelShape.from_config(folder))
+    except (ValueError, FileNotFoundError):
+        return  # the loader reports an unreadable config
+    check_fits(int(n), device, bytes_per_param=bytes_per_param)
+
+
+# ----------------------------------------------------------------------------- what a run says
+def summary_line(trainer: Trainer, t0: float) -> str:
+    """The run's last state: step, last train loss (this session's or the log's), validation, recall."""
+    ev = trainer.last_eval or {}
+    hist = trainer.history
+    last = hist[-1] if hist else None
+    if last is None or not ev:
+        recs = read_metrics(trainer.out_dir / METRICS_FILE)
+        if last is None:
+            last = next((r for r in reversed(recs) if r.get("kind") == "train"), None)
+        if not ev:
+            ev = next((r for r in reversed(recs) if r.get("kind") == "eval"), {})
+    msg = f"done: step {trainer.step}"
+    if last is not None and last.get("loss") is not None:
+        msg += f", train loss {last['loss']:.3f}"
+    elif last is not None and last.get("kl") is not None:  # only the index branch trained
+        msg += f", train index KL {last['kl']:.4f}"
+    if "val_loss" in ev:
+        msg += f", val loss {ev['val_loss']:.3f}"
+    if ev.get("recall_per_layer"):
+        r = ev["recall_per_layer"]
+        o = ev["oracle_per_layer"]
+        msg += f", indexer recall {sum(r) / len(r):.3f} (oracle {sum(o) / len(o):.3f})"
+    ck = ckpt_mod.find_checkpoint(trainer.out_dir)
+    return f"{msg}; {time.time() - t0:.0f}s; checkpoint {ck}"
+
+
+def model_line(trainer: Trainer) -> str:
+    """The model's size and the run's plan (steps, attention, batch)."""
+    n = sum(p.numel() for p in trainer.model.parameters())
+    c = trainer.cfg
+    dense = min(c.dense_warmup_steps, c.steps)
+    params = f"{n / 1e6:.2f}M parameters"
+    if c.train == "index":
+        ni = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        params += f" ({ni / 1e6:.3f}M trained: the index branches; the rest frozen)"
+        plan = "full attention, the index branch by the KL alone"
+    elif getattr(trainer.model.config, "num_sparse_layers", None) == 0:
+        plan = "full attention: no MSA layers"
+    else:
+        plan = f"full attention for the first {dense}, sparse for {c.steps - dense}"
+    return (f"model: {params} on {trainer.device}; {c.steps} steps ({plan}), batch {c.batch_size} x "
+            f"{trainer.train_rows.context} tokens")
+
+
+@dataclass
+class RunResult:
+    """A finished (or stopped) run: its trainer and, for a conversion run, the model folder saved
+    at its end (weights + tokenizer: what `msakit eval --model` and `msakit generate` take)."""
+
+    trainer: Trainer
+    model_dir: Path | None = None
+
+
+# ----------------------------------------------------------------------------- a new run
+def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str | None = "tiny",
+              config: str | None = None, attention: str = "msa", init: str | None = None,
+              tokenizer: str | None = None, device: torch.device | str = "cpu", parallel: Parallel | None = None,
+              fsdp: bool = False, activation_checkpointing: bool = False, cache_dir: str | None = None,
+              progress: bool = True, log: Log = say, ready: Callable[[], None] | None = None) -> RunResult:
+    """Train a model in the new (missing or empty) run folder `out`: from the weights of model
+    folder `init`, or a fresh model of `preset` / `config` (a config.json or its folder) at the
+    vocabulary of `tokenizer` (a tokenizer.json; default: one trained on the data at
+    `data.vocab_size`).  The model is checked (context, size on `device`) before the data are
+    prepared (then `ready()` is called); a run that fails before its first checkpoint leaves
+    nothing behind."""
+    t0 = time.time()
+    out = Path(out)
+    data = _with_context(data)
+    main_rank = is_main(parallel)
+    if main_rank:
+        check_new_out(out)
+    data.check()
+    tok = Tokenizer.load(tokenizer) if tokenizer else None
+    if init:
+        init_dir = model_folder(Path(init))
+        check_folder_fits(init_dir, device)
+        model = load_model_folder(init_dir)
+        if tok is None:
+            tok = tokenizer_beside(Path(init))
+        check_context(model.config, data.context)
+    else:
+        cfg0 = model_config(preset, config, tok.vocab_size if tok else data.vocab_size, attention=attention)
+        check_context(cfg0, data.context)
+        check_fits(config_params(cfg0), device)
+    if ready is not None:
+        ready()
+    with new_run_dir(out) if main_rank else contextlib.nullcontext():
+        with rank0_first(parallel):  # rank 0 trains the tokenizer / fills the cache first
+            pd = prepare(data, tokenizer=tok, cache_dir=cache_dir, log=log)
+        tok = pd.tokenizer
+        if not init:
+            torch.manual_seed(train.seed)
+            model = M3ForCausalLM(model_config(preset, config, tok.vocab_size, attention=attention))
+        check_vocab(model, tok)
+        meta = {"kind": "train", "data": data.to_dict(), "preset": preset, "config": config, "init": init,
+                "long_files": [f.name for f in pd.corpus.long]}
+        trainer = Trainer(model, train, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
+                          progress=progress, meta=meta, parallel=parallel, fsdp=fsdp,
+                          activation_checkpointing=activation_checkpointing)
+        if main_rank:
+            tok.save(out)
+            log(model_line(trainer))
+        trainer.fit()
+    if main_rank:
+        log(summary_line(trainer, t0))
+    return RunResult(trainer)
+
+
+# ----------------------------------------------------------------------------- a conversion run
+def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: DataOptions, tokenizer: str | None = None,
+                dtype: str = "float32", index_dim: int | None = None, block_size: int | None = None,
+                topk: int | None = None, init_blocks: int | None = None, index_init: str = "random",
+                max_tokens: int | None = None, time_budget: float | None = None,
+                device: torch.device | str = "cpu", parallel: Parallel | None = None, fsdp: bool = False,
+                activation_checkpointing: bool = False, cache_dir: str | None = None, progress: bool = True,
+                log: Log = say, ready: Callable[[], None] | None = None) -> RunResult:
+    """Convert the dense model in `source` (an msakit run / checkpoint folder or an HF model
+    folder) to MSA (`msakit.models.convert.convert_dense_to_msa`: index branches of `index_dim`,
+    blocks of `block_size`, `topk` per query, `init_blocks` forced; None: the model's or the
+    defaults) and train it in the new run folder `out` by `train` (`train.train` "index": the
+    index branches alone by the KL, backbone frozen; "all": every parameter), in weights of
+    `dtype` (DTYPES).  Everything is checked, and the model converted, before `ready()` is called
+    and the data are prepared.  Stops at `train.steps`, after `max_tokens` tokens or
+    `time_budget` seconds, and saves the converted model (weights + tokenizer) in OUT/model."""
+    t0 = time.time()
+    out = Path(out)
+    main_rank = is_main(parallel)
+    if train.train == "index" and parallel is not None:
+        raise ValueError("--train index runs in one process (no torchrun, --cp or --fsdp yet)")
+    if main_rank:
+        check_new_out(out)
+    folder = model_folder(Path(source))
+    if folder_kind(folder) == "drafter":
+        raise ValueError(f"{source} is a DSpark drafter, not a model to convert")
+    tok = Tokenizer.load(tokenizer) if tokenizer else tokenizer_beside(Path(source))
+    data = dataclasses.replace(_with_context(data), vocab_size=tok.vocab_size)
+    data.check()
+    torch_dt = torch_dtype(dtype)
+    check_folder_fits(folder, device, torch_dt.itemsize if train.train == "index" else TRAIN_BYTES_PER_PARAM)
+    src = load_model_folder(folder, dtype=torch_dt)
+    model = convert_dense_to_msa(src, index_head_dim=index_dim, block_size=block_size, topk=topk,
+                                 init_blocks=init_blocks, index_init=index_init, seed=train.seed)
+    check_context(model.config, data.context)
+    check_vocab(model, tok)
+    if train.compile and not isinstance(model, M3ForCausalLM):
+        raise ValueError("--compile compiles msakit's decoder layers; a converted HF model has none "
+                         "(train it without --compile)")
+    if ready is not None:
+        ready()
+    say_ = log if main_rank else _quiet
+    with new_run_dir(out) if main_rank else contextlib.nullcontext():
+        with rank0_first(parallel):  # rank 0 fills the data cache first
+            pd = prepare(data, tokenizer=tok, cache_dir=cache_dir, log=log)
+        meta = {"kind": "convert", "data": data.to_dict(), "source": str(source), "dtype": dtype,
+                "index_init": index_init, "long_files": [f.name for f in pd.corpus.long]}
+        trainer = Trainer(model, train, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
+                          progress=progress, meta=meta, eval_both_modes=True, parallel=parallel, fsdp=fsdp,
+                          activation_checkpointing=activation_checkpointing)
+        if main_rank:
+            tok.save(out)
+        before_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
+        before_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
+        if train.train == "index":
+            over = "every causal token" if train.kl_tokens == "all" else "the selected tokens"
+            plan = f"index-branch warm-up (backbone frozen, full attention, KL over {over}) for {train.steps} steps"
+        else:
+            plan = f"indexer warm-up (dense) for {train.dense_warmup_steps} steps, then sparse to step {train.steps}"
+        say_(f"converted {folder}: validation loss dense {before_d:.3f}, sparse with the untrained indexer "
+             f"{before_s:.3f}; {plan}")
+        say_(model_line(trainer))
+        trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
+    ev = trainer.last_eval or {}
+    if ev.get("step") == trainer.step and "val_loss_dense" in ev and "val_loss_sparse" in ev:
+        after_d, after_s = ev["val_loss_dense"], ev["val_loss_sparse"]
+    else:
+        after_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
+        after_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
+    say_(f"after conversion: validation loss dense {after_d:.3f}, sparse {after_s:.3f}")
+    say_(summary_line(trainer, t0))
+    mdir = save_model_folder(trainer.model, tok, out / MODEL_DIR) if main_rank else None
+    return RunResult(trainer, mdir)
+
+
+# ----------------------------------------------------------------------------- resuming
+def open_resume(out: Path, checkpoint: Path | None, parse_config: Callable[[dict], Any], *, steps: int | None = None,
+                drafter: bool = False, log: Log = say) -> tuple[Path, dict, Any] | None:
+    """The checkpoint to continue a run from (`checkpoint`, or run folder `out`'s latest;
+    verified), its trainer state and its config (by `parse_config`) with `steps` applied; None,
+    after saying so, when the run has already reached its steps.  A drafter checkpoint is refused
+    unless `drafter`, and the other way round; continuing into another folder than the
+    checkpoint's run needs a new or empty `out`."""
+    ck = ckpt_mod.resolve_checkpoint(out if checkpoint is None else checkpoint)
+    state, _, _, _ = ckpt_mod.load_checkpoint_state(ck)  # verifies the manifest
+    is_drafter = state.get("kind") == "dspark-drafter"
+    if is_drafter != drafter:
+        raise ckpt_mod.CheckpointError(f"{ck} is a drafter checkpoint; resume it with `msakit train-drafter --resume`"
+                                       if is_drafter else f"{ck} is not a drafter checkpoint")
+    if os.path.abspath(run_folder_of(ck)) != os.path.abspath(out):
+        check_new_out(out)  # continuing into another folder: a new, empty one
+    cfg = parse_config(state["config"])
+    step = int(state["step"])
+    if steps is not None:
+        if steps < step:
+            raise ValueError(f"--steps {steps} is below the checkpoint's step {step}")
+        cfg.steps = steps
+    if step >= cfg.steps:
+        log(f"nothing to train: {ck} is at step {step} of {cfg.steps}; pass --steps N (N > {step}) to train "
+            "further")
+        return None
+    return ck, state, cfg
+
+
+def resume_run(out: Path, *, checkpoint: Path | None = None, steps: int | None = None,
+               device: torch.device | str = "cpu", compile: bool = False, activation_checkpointing: bool = False,
+               max_tokens: int | None = None, time_budget: float | None = None, cache_dir: str | None = None,
+               progress: bool = True, log: Log = say) -> RunResult | None:
+    """Continue a training or conversion run from `checkpoint` (default: run folder `out`'s
+    latest) with its recorded data order and settings, to `steps` (default: its own); how it runs
+    (`device`, `compile`, `activation_checkpointing`, `max_tokens`, `time_budget`) may change.
+    None when the run has already reached its steps.  A conversion run saves its model in
+    OUT/model again at the end."""
+    t0 = time.time()
+    out = Path(out)
+    point = open_resume(out, checkpoint, TrainConfig.from_dict, steps=steps, log=log)
+    if point is None:
+        return None
+    ck, state, cfg = point
+    if compile:  # how the run executes, not what it trains
+        cfg = dataclasses.replace(cfg, compile=True)
+    meta = state.get("meta", {})
+    if not meta.get("data"):
+        raise ckpt_mod.CheckpointError(f"{ck} does not record its data settings; cannot resume")
+    tok = Tokenizer.load(ck)
+    pd = prepare(DataOptions.from_dict(meta["data"]), tokenizer=tok, cache_dir=cache_dir, log=log)
+    model = load_model_folder(ck, dtype=torch_dtype(meta.get("dtype", "float32")))
+    conversion = meta.get("kind") == "convert"
+    trainer = Trainer(model, cfg, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
+                      progress=progress, meta=meta, eval_both_modes=conversion,
+                      activation_checkpointing=activation_checkpointing)
+    trainer.resume(ck, load_weights=lambda _: None)
+    if not (out / "tokenizer.json").is_file():
+        tok.save(out)
+    log(f"resumed {ck} at step {trainer.step}")
+    log(model_line(trainer))
+    trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
+    log(summary_line(trainer, t0))
+    return RunResult(trainer, save_model_folder(trainer.model, tok, out / MODEL_DIR) if conversion else None)
