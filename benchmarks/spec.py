@@ -235,7 +235,7 @@ def prefilled_cache(target, drafter, prompt: torch.Tensor, dev):
     B, T = prompt.shape
     drafter.bind(target)
     cache = SpecCache(target.config.num_hidden_layers, drafter.config.num_hidden_layers, B,
-                      T + 4 * (drafter.config.block_size + 2), dev)
+                      T + 4 * (drafter.config.draft_block_size + 2), dev)
     _, tap = target_forward(target, cache, prompt, drafter.config.target_layer_ids)
     draft_context_update(drafter, cache, tap)
     cache.set_lengths(torch.full((B,), T, device=dev), [T] * B)
@@ -249,7 +249,7 @@ def profile_round_cost(target, drafter, prompts: torch.Tensor, dev, reps: int = 
     from msakit.speculative.generate import draft_hidden, target_forward
 
     B = prompts.shape[0]
-    g = drafter.config.block_size
+    g = drafter.config.draft_block_size
     cache = prefilled_cache(target, drafter, prompts, dev)
     anchor = prompts[:, -1]
 
@@ -366,7 +366,7 @@ def round_breakdown(target, drafter, prompt: torch.Tensor, dev, reps: int = 30) 
     from msakit.speculative.generate import StaticRounds
 
     B, T = prompt.shape
-    g = drafter.config.block_size
+    g = drafter.config.draft_block_size
     taps = drafter.config.target_layer_ids
 
     def per_call(fn) -> float:
@@ -525,7 +525,7 @@ def main(argv=None) -> None:
 
     acc_rows = []
     bs_acc = 16 if dev.type == "cuda" else 4
-    g = drafters["dspark"].config.block_size
+    g = drafters["dspark"].config.draft_block_size
     wanted = args.budgets.split(",")
     costs = {}
     if "profiled" in wanted:  # the round cost only feeds the profiled confidence budget

@@ -106,7 +106,7 @@ class ModelShape:
     index_n_heads: int = 0
     index_head_dim: int = 0
     block_size: int = 0
-    topk_blocks: int = 0
+    topk: int = 0
     local_blocks: int = 1
     init_blocks: int = 0
     tie_word_embeddings: bool = False
@@ -144,7 +144,7 @@ class ModelShape:
             raise ValueError("dense_intermediate_size is required (positive) when some layers "
                              "have a dense MLP")
         if self.num_sparse_layers:
-            for f in ("index_n_heads", "index_head_dim", "block_size", "topk_blocks"):
+            for f in ("index_n_heads", "index_head_dim", "block_size", "topk"):
                 if getattr(self, f) <= 0:
                     raise ValueError(f"{_FIELD_NAMES[f]} must be positive when some layers use "
                                      f"sparse attention, got {getattr(self, f)!r}")
@@ -173,12 +173,12 @@ class ModelShape:
     @property
     def selected_tokens(self) -> int:
         """k * B_k: keys each (query, KV group) attends to in an MSA layer."""
-        return self.topk_blocks * self.block_size
+        return self.topk * self.block_size
 
     def all_sparse(self) -> "ModelShape":
         """The same model with MSA in every layer (the M3 -> M3.1-Flash change)."""
         if not self.num_sparse_layers and (self.index_n_heads <= 0 or self.index_head_dim <= 0
-                                           or self.block_size <= 0 or self.topk_blocks <= 0):
+                                           or self.block_size <= 0 or self.topk <= 0):
             raise ValueError("cannot make all layers sparse: the config has no index-branch "
                              "settings (index_n_heads, index_head_dim, index_block_size, "
                              "index_topk_blocks)")
@@ -223,7 +223,7 @@ _FIELD_NAMES = {
     "index_n_heads": "index_n_heads / sparse_num_index_heads",
     "index_head_dim": "index_head_dim / sparse_index_dim",
     "block_size": "index_block_size / sparse_block_size",
-    "topk_blocks": "index_topk_blocks / sparse_topk_blocks",
+    "topk": "index_topk_blocks / sparse_topk_blocks",
 }
 
 
@@ -340,7 +340,7 @@ def _parse(raw: Mapping[str, Any], name: str) -> ModelShape:
         index_n_heads=_pick(cfg, "index_n_heads", legacy, "sparse_num_index_heads"),
         index_head_dim=_pick(cfg, "index_head_dim", legacy, "sparse_index_dim"),
         block_size=_pick(cfg, "index_block_size", legacy, "sparse_block_size"),
-        topk_blocks=_pick(cfg, "index_topk_blocks", legacy, "sparse_topk_blocks"),
+        topk=_pick(cfg, "index_topk_blocks", legacy, "sparse_topk_blocks"),
         local_blocks=_pick(cfg, "index_local_blocks", legacy, "sparse_local_block") or 1,
         init_blocks=_pick(cfg, "index_init_blocks", legacy, "sparse_init_block"),
         tie_word_embeddings=bool(tie),
@@ -457,7 +457,7 @@ def msa_attention_flops(s: ModelShape, n: int) -> float:
     4*H_q*d_h*k*B_k (main branch over the selected keys). Paper eq. 12 divided by N; H_idx is
     the number of index heads (= H_kv in M3). Assumes N >= k*B_k (else the layer is dense)."""
     index = float(s.index_n_heads * s.index_head_dim * n)
-    main = 4.0 * s.num_heads * s.head_dim * s.topk_blocks * s.block_size
+    main = 4.0 * s.num_heads * s.head_dim * s.topk * s.block_size
     return index + main
 
 
@@ -572,7 +572,7 @@ def context_row(s: ModelShape, n: int) -> dict[str, float]:
 
 
 def _has_index(s: ModelShape) -> bool:
-    return min(s.index_n_heads, s.index_head_dim, s.block_size, s.topk_blocks) > 0
+    return min(s.index_n_heads, s.index_head_dim, s.block_size, s.topk) > 0
 
 
 def report(shape: ModelShape, context: int = DEFAULT_CONTEXT) -> dict[str, Any]:
@@ -610,7 +610,7 @@ def report(shape: ModelShape, context: int = DEFAULT_CONTEXT) -> dict[str, Any]:
             "msa_per_layer": msa_attention_flops(s, n),
             "msa_index_branch_per_layer": float(s.index_n_heads * s.index_head_dim * n),
             "msa_main_branch_per_layer":
-                4.0 * s.num_heads * s.head_dim * s.topk_blocks * s.block_size,
+                4.0 * s.num_heads * s.head_dim * s.topk * s.block_size,
             "ratio": attention_flop_ratio(s, n),
             "ratio_limit": attention_flop_ratio_limit(s),
         })
@@ -677,8 +677,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{c['head_dim']}; vocab {c['vocab_size']:,}; tied embeddings: "
         f"{'yes' if c['tie_word_embeddings'] else 'no'}")
     if c["index_n_heads"]:
-        add(f"  index {c['index_n_heads']} heads x {c['index_head_dim']}; top-{c['topk_blocks']} "
-            f"blocks of {c['block_size']} (= {c['topk_blocks'] * c['block_size']:,} keys per "
+        add(f"  index {c['index_n_heads']} heads x {c['index_head_dim']}; top-{c['topk']} "
+            f"blocks of {c['block_size']} (= {c['topk'] * c['block_size']:,} keys per "
             f"KV group)")
     add(f"  experts {c['num_experts']} routed (top-{c['top_k']}) x "
         f"{c['expert_intermediate_size']:,} + {c['n_shared_experts']} shared x "

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from msakit.cache.base import DeferredPagedKeys, HeldKeys, KeyView, KVCacheProtocol, PagedKeys, RollbackCache
 from msakit.cache.contiguous import KVCache
-from msakit.cache.paged import (DecodeMetadata, DeferredPagedStep, PagedKVCache, PagedStep, gather_pages,
-                                quantize_fp8)
+from msakit.cache.paged import DecodeMetadata, DeferredPagedStep, PagedKVCache, PagedStep, gather_pages, quantize_fp8
 from msakit.cache.rows import PagedRows
 from msakit.ops.decode.reference import PagedLayer
 

@@ -82,7 +82,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.layers is not None:
         over["num_hidden_layers"] = args.layers
     if args.block_size is not None:
-        over["block_size"] = args.block_size
+        over["draft_block_size"] = args.block_size
     if args.markov_rank is not None:
         over["markov_rank"] = args.markov_rank
     if args.no_markov:

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from msakit.models import M3Config, M3ForCausalLM
+
 __all__ = ["save_sharded", "load_sharded", "load_model_only", "read_state", "is_sharded_checkpoint",
            "has_optimizer_state", "dcp_to_pretrained", "pretrained_to_dcp", "STATE_FILE"]
 
@@ -121,7 +123,6 @@ def has_optimizer_state(path: str | os.PathLike) -> bool:
 
 def dcp_to_pretrained(path: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
     """Sharded checkpoint -> a `save_pretrained` folder (config.json + safetensors), on one process."""
-    from msakit.models import M3Config, M3ForCausalLM
 
     read_state(path)
     cfg = M3Config.from_pretrained(Path(path))
@@ -145,7 +146,6 @@ def load_model_only(path: str | os.PathLike, model: nn.Module) -> None:
 def pretrained_to_dcp(folder: str | os.PathLike, path: str | os.PathLike, *, state: dict | None = None) -> Path:
     """A `save_pretrained` folder -> a sharded checkpoint without optimizer state (to continue training
     on many ranks from a single-file model), on one process."""
-    from msakit.models import M3ForCausalLM
 
     model = M3ForCausalLM.from_pretrained(folder)
     final = Path(path)

@@ -30,13 +30,11 @@ sequence before sharding (the target of a chunk's last token is the next chunk's
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from msakit.cache.base import HeldKeys
 from msakit.models.modeling import document_segments

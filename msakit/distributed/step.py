@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from msakit.distributed.cp import IGNORE_INDEX, ContextParallel
 from msakit.distributed.launch import Parallel
 from msakit.models.modeling import document_segments
+from msakit.nn.attention import MSAAttention
 
 __all__ = ["LossShares", "next_token_targets", "loss_shares", "set_attention_context", "attention_context_supported",
            "reduce_sum"]
@@ -42,7 +43,6 @@ def next_token_targets(labels: torch.Tensor, segments: Sequence[tuple[int, int]]
 
 def attention_context_supported(model: torch.nn.Module) -> bool:
     """Whether the model's attention modules take a context (the hook of docs/distributed.md)."""
-    from msakit.nn.attention import MSAAttention
 
     mods = [m for m in model.modules() if isinstance(m, MSAAttention)]
     return bool(mods) and all(hasattr(m, "context") for m in mods)
@@ -50,7 +50,6 @@ def attention_context_supported(model: torch.nn.Module) -> bool:
 
 def set_attention_context(model: torch.nn.Module, ctx: ContextParallel | None) -> None:
     """Route every attention module of `model` through `ctx.attend` (None: back to one process)."""
-    from msakit.nn.attention import MSAAttention
 
     if ctx is not None and not attention_context_supported(model):
         raise ValueError("context parallelism needs the attention hook (MSAAttention.context, see "

@@ -31,9 +31,10 @@ import torch
 
 from msakit.eval.documents import long_documents
 from msakit.eval.policies import POLICY_NAMES, make_policy
-from msakit.ops.index_topk import Selection
+from msakit.eval.report import write_report
 from msakit.eval.scoring import answer_scores, bucket_edges, bucket_sums, model_logits, token_nll
 from msakit.eval.tasks import RETRIEVAL_TASKS, TASK_VERSION, TokenPieces, encoder, make_sample
+from msakit.ops.index_topk import Selection
 
 __all__ = ["EvalConfig", "TASKS", "check_model", "configure_model", "parse_policy", "read_records", "run_eval"]
 
@@ -224,7 +225,6 @@ def run_eval(
     the report (summary.json, table.md, plot.png).  Returns the summary."""
     from tqdm.auto import tqdm
 
-    from msakit.eval.report import write_report
 
     log = log or (lambda s: None)
     check_model(model, cfg.policies)

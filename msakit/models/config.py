@@ -258,7 +258,7 @@ class M3Config:
             index_n_heads=shape.index_n_heads or shape.num_kv_heads,
             index_head_dim=shape.index_head_dim or head_dim,
             index_block_size=shape.block_size or 128,
-            index_topk_blocks=shape.topk_blocks or 16,
+            index_topk_blocks=shape.topk or 16,
             index_local_blocks=1 if local is None else local,
             index_init_blocks=0 if init is None else init,
             initializer_range=get("initializer_range", 0.02),

@@ -44,7 +44,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from msakit.models import M3Config, M3ForCausalLM
 from msakit.models.io import few_names
+from msakit.nn.moe import GroupedExperts
 
 __all__ = [
     "FORMATS",
@@ -135,7 +137,6 @@ def module_role(name: str) -> str:
 def _as_model(model: Any) -> nn.Module:
     if isinstance(model, nn.Module):
         return model
-    from msakit.models import M3Config, M3ForCausalLM
 
     if isinstance(model, M3Config):
         with torch.device("meta"):
@@ -145,7 +146,6 @@ def _as_model(model: Any) -> nn.Module:
 
 def module_kind(m: nn.Module) -> str | None:
     """"experts" (GroupedExperts and its QAT / packed forms), "linear", "embedding" or None."""
-    from msakit.nn.moe import GroupedExperts
 
     if isinstance(m, GroupedExperts):
         return "experts"

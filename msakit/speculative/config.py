@@ -79,8 +79,8 @@ class DSparkConfig:
     num_key_value_heads: int = 2
     head_dim: int = 32
     intermediate_size: int = 256  # dense_intermediate_size == dspark_ffn_hidden_size
-    block_size: int = 7  # dspark_block_size: rows of a block = drafts per round (anchor row included)
-    noise_token_id: int = 4095  # dspark_noise_token_id: the mask token of rows 1 .. block_size - 1
+    draft_block_size: int = 7  # dspark_block_size: rows of a block = drafts per round (anchor row included)
+    noise_token_id: int = 4095  # dspark_noise_token_id: the mask token of rows 1 .. draft_block_size - 1
     target_layer_ids: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # dspark_target_layer_ids
     markov_rank: int = 256  # dspark_markov_rank; 0 = no Markov head
     enable_confidence_head: bool = True
@@ -96,7 +96,7 @@ class DSparkConfig:
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "intermediate_size", "block_size", "sliding_window"):
+                  "head_dim", "intermediate_size", "draft_block_size", "sliding_window"):
             _pos_int(self, f)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -136,12 +136,12 @@ class DSparkConfig:
 
     @property
     def num_drafts(self) -> int:
-        """Drafts per round (= block_size: the anchor row predicts the first one)."""
-        return self.block_size
+        """Drafts per round (= draft_block_size: the anchor row predicts the first one)."""
+        return self.draft_block_size
 
     @property
     def verify_width(self) -> int:
-        return self.block_size + 1
+        return self.draft_block_size + 1
 
     def replace(self, **changes: Any) -> "DSparkConfig":
         return dataclasses.replace(self, **changes)
@@ -191,7 +191,7 @@ class DSparkConfig:
             num_key_value_heads=int(t.num_key_value_heads),
             head_dim=int(t.head_dim),
             intermediate_size=int(getattr(t, "dense_intermediate_size", 0) or 4 * int(t.hidden_size)),
-            block_size=7,
+            draft_block_size=7,
             noise_token_id=V - 1,
             target_layer_ids=spread_taps(L, 5),
             markov_rank=256 if size != "tiny" else 64,
@@ -286,7 +286,7 @@ class DSparkConfig:
                 num_key_value_heads=_cfg_int(cfg, "num_key_value_heads"),
                 head_dim=head_dim,
                 intermediate_size=int(inter),
-                block_size=_cfg_int(cfg, "dspark_block_size"),
+                draft_block_size=_cfg_int(cfg, "dspark_block_size"),
                 noise_token_id=_cfg_int(cfg, "dspark_noise_token_id"),
                 target_layer_ids=list(taps) if isinstance(taps, (list, tuple)) else taps,
                 markov_rank=rank,
@@ -319,7 +319,7 @@ class DSparkConfig:
             "dspark_ffn_hidden_size": self.intermediate_size,
             "dspark_markov_rank": self.markov_rank,
             "dspark_markov_head_type": "vanilla" if self.markov_rank else "none",
-            "dspark_block_size": self.block_size,
+            "dspark_block_size": self.draft_block_size,
             "dspark_noise_token_id": self.noise_token_id,
             "dspark_target_layer_ids": list(self.target_layer_ids),
             "dspark_use_dense_ffn": True,

@@ -38,6 +38,7 @@ from msakit.nn.attention import GQAProjections
 from msakit.nn.mlp import SwiGLUMLP
 from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
+from msakit.quant.formats import mxfp8_dequantize
 from msakit.speculative.config import DSparkConfig
 from msakit.speculative.verify import check_sampling, sample_probs, sampling_probs
 
@@ -290,7 +291,7 @@ class DSparkDrafter(nn.Module):
 
     def block_ids(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """anchor tokens int64 [...] -> block inputs [..., gamma]: [anchor, noise x (gamma - 1)]."""
-        g = self.config.block_size
+        g = self.config.draft_block_size
         noise = torch.full((*anchor_tokens.shape, g - 1), self.config.noise_token_id, dtype=torch.long,
                            device=anchor_tokens.device)
         return torch.cat([anchor_tokens.long().unsqueeze(-1), noise], dim=-1)
@@ -331,7 +332,7 @@ class DSparkDrafter(nn.Module):
         """
         B, T = input_ids.shape
         A = anchors.shape[1]
-        g = self.config.block_size
+        g = self.config.draft_block_size
         ctx = self.context(taps)
         pos = torch.arange(T, device=input_ids.device).unsqueeze(0)
         kv = self.context_kv(ctx, pos)
@@ -365,7 +366,7 @@ class DSparkDrafter(nn.Module):
         (float32 [B, >= num_drafts, V], Exp(1)): the race noise of the draws, drawn beforehand
         (then `generator` is not used; see `sample_probs`)."""
         check_sampling(temperature, top_k, top_p)
-        g = self.config.block_size if num_drafts is None else int(num_drafts)
+        g = self.config.draft_block_size if num_drafts is None else int(num_drafts)
         h = h[:, :g]
         if noise is not None:
             noise = noise[:, :g]
@@ -477,7 +478,6 @@ def _dequantize_mxfp8(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     scales = {k[: -len("_scale_inv")]: v for k, v in raw.items() if k.endswith(".weight_scale_inv")}
     if not scales:
         return raw
-    from msakit.quant.formats import mxfp8_dequantize
 
     out = {}
     for k, v in raw.items():

@@ -73,11 +73,22 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from msakit.generate import StatePool, graph_warning, model_state_key, round_length
-from msakit.speculative.cache import SPEC_CACHE_KINDS, SpecCache, positions_check as _positions_check
-from msakit.speculative.drafter import DraftProposal, DSparkDrafter
-from msakit.speculative.verify import check_sampling, confidence_budget as schedule_budget, sample_probs, sampling_probs, verify
+from msakit.generate import (
+    GraphCaptureError,
+    StatePool,
+    capture_graph,
+    graph_warning,
+    model_state_key,
+    paged_supported,
+    round_length,
+)
+from msakit.ops.dispatch import triton_available
 from msakit.sampling import keyword_options
+from msakit.speculative.cache import SPEC_CACHE_KINDS, SpecCache
+from msakit.speculative.cache import positions_check as _positions_check
+from msakit.speculative.drafter import DraftProposal, DSparkDrafter
+from msakit.speculative.verify import check_sampling, sample_probs, sampling_probs, verify
+from msakit.speculative.verify import confidence_budget as schedule_budget
 
 __all__ = ["speculative_generate", "autoregressive_generate", "SpecStats", "SpecCache", "target_forward",
            "draft_context_update", "draft_hidden", "target_step", "clear_runs", "StaticRounds"]
@@ -160,7 +171,7 @@ def draft_hidden(drafter: DSparkDrafter, cache: SpecCache, anchor: torch.Tensor,
 
 def _draft_hidden(drafter: DSparkDrafter, cache: SpecCache, anchor: torch.Tensor, lengths: torch.Tensor,
                   Lc: int) -> torch.Tensor:
-    g = drafter.config.block_size
+    g = drafter.config.draft_block_size
     B = anchor.shape[0]
     dev = anchor.device
     L = lengths.view(B, 1)
@@ -210,7 +221,6 @@ class _Graphed:
             return self._capture_on_device(key, fn)
 
     def _capture_on_device(self, key: Any, fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-        from msakit.generate import GraphCaptureError, capture_graph
 
         try:
             out, graph, outs = capture_graph(fn, self.device)
@@ -503,8 +513,6 @@ def _run_state(models: tuple, batch: int, max_len: int, num_draft_layers: int, d
 
 def _paged(target, cache: str, device: torch.device) -> bool:
     """Whether a run keeps the target's keys in pages (`cache`: "auto" | "contiguous" | "paged")."""
-    from msakit.generate import paged_supported
-    from msakit.ops.dispatch import triton_available
 
     if cache not in SPEC_CACHE_KINDS:
         raise ValueError(f"cache must be one of {SPEC_CACHE_KINDS}, got {cache!r}")
@@ -624,11 +632,11 @@ def speculative_generate(
     if target.lm_head.weight.device != drafter.device:
         raise ValueError(f"the target is on {target.lm_head.weight.device} but the drafter on {drafter.device}")
     dcfg = drafter.config
-    g = dcfg.block_size if num_drafts is None else num_drafts
+    g = dcfg.draft_block_size if num_drafts is None else num_drafts
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
         raise ValueError(f"num_drafts must be a positive integer, got {num_drafts!r}")
-    if g > dcfg.block_size:
-        raise ValueError(f"num_drafts={g} exceeds the drafter's trained block ({dcfg.block_size} drafts per round)")
+    if g > dcfg.draft_block_size:
+        raise ValueError(f"num_drafts={g} exceeds the drafter's trained block ({dcfg.draft_block_size} drafts per round)")
     if confidence_budget and drafter.confidence_head is None:
         raise ValueError("confidence_budget needs a drafter with a confidence head")
     if int(prompt.min()) < 0 or int(prompt.max()) >= target.config.vocab_size:
@@ -657,7 +665,7 @@ def speculative_generate(
         sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, num_drafts=g)
         budget_kw = dict(sample_kw, want_confidence=True)
         # room for the last round's overshoot and one more (discarded) pipelined round
-        state = _run_state((target, drafter), B, T + max_new_tokens + 3 * (dcfg.block_size + 1),
+        state = _run_state((target, drafter), B, T + max_new_tokens + 3 * (dcfg.draft_block_size + 1),
                            dcfg.num_hidden_layers, dev, ("budget" if confidence_budget else "fused", g, temperature,
                                                          top_k, top_p), use_graph, paged)
         stack.enter_context(state)

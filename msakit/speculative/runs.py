@@ -108,7 +108,7 @@ def _fit(trainer: DrafterTrainer, folder: Path, time_budget: float | None, log: 
     dc, cfg = trainer.drafter.config, trainer.cfg
     n = sum(p.numel() for p in trainer.drafter.parameters())
     log(f"drafter: {n / 1e6:.2f}M parameters, {dc.num_hidden_layers} layers, taps {dc.target_layer_ids}, "
-        f"block {dc.block_size}, Markov rank {dc.markov_rank}; target {folder} on {trainer.device}; "
+        f"block {dc.draft_block_size}, Markov rank {dc.markov_rank}; target {folder} on {trainer.device}; "
         f"{cfg.steps} steps x {cfg.batch_size} rows x {cfg.anchors} anchors")
     trainer.fit(max_seconds=time_budget)
 

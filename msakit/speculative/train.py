@@ -42,10 +42,20 @@ import torch.nn.functional as F
 from msakit.generate import generate
 from msakit.speculative.drafter import DSparkDrafter
 from msakit.train import checkpoint as ckpt_mod
-from msakit.train.data import IGNORE, Batch, PackedRows, RowLoader, eval_batches
+from msakit.train.data import IGNORE, Batch, PackedRows, RowLoader, TokenStream, eval_batches
 from msakit.train.metrics import autocast_for
-from msakit.train.trainer import (METRICS_FILE, append_metrics, config_from_dict, make_adamw, optimizer_params,
-                                   optimizer_step, progress_bar, resolve_device, restore_optimizer, warmup_cosine)
+from msakit.train.trainer import (
+    METRICS_FILE,
+    append_metrics,
+    config_from_dict,
+    make_adamw,
+    optimizer_params,
+    optimizer_step,
+    progress_bar,
+    resolve_device,
+    restore_optimizer,
+    warmup_cosine,
+)
 
 __all__ = ["DrafterTrainConfig", "DrafterTrainer", "dspark_loss", "sample_anchors", "regenerate_rows",
            "regenerate_pool", "mix_streams", "METRICS_FILE"]
@@ -141,7 +151,7 @@ def dspark_loss(
     """
     target = drafter.target
     B, T = input_ids.shape
-    g = drafter.config.block_size
+    g = drafter.config.draft_block_size
     if target_out is None:
         with torch.no_grad():
             target_out = target(input_ids, compute_kl=False, taps=drafter.config.target_layer_ids)
@@ -243,7 +253,6 @@ def regenerate_pool(
     (one document per row, aligned to the row length)."""
     import numpy as np
 
-    from msakit.train.data import TokenStream
 
     T = rows.context
     if n_rows < 1 or not 1 <= prompt_tokens < T:
@@ -280,7 +289,6 @@ def mix_streams(natural, pool, share: float):
     repeated up front, then the natural stream."""
     import numpy as np
 
-    from msakit.train.data import TokenStream
 
     if not 0 < share < 1:
         raise ValueError(f"share must be in (0, 1), got {share}")
@@ -328,8 +336,8 @@ class DrafterTrainer:
         self.meta = dict(meta or {})
         self.callbacks = list(callbacks)
         T = train_rows.context
-        if T < drafter.config.block_size + 2:
-            raise ValueError(f"context ({T}) must be at least block_size + 2 = {drafter.config.block_size + 2}")
+        if T < drafter.config.draft_block_size + 2:
+            raise ValueError(f"context ({T}) must be at least draft_block_size + 2 = {drafter.config.draft_block_size + 2}")
         self.loader = RowLoader(train_rows, cfg.batch_size, seed=cfg.seed, shuffle=True)
         self._val = eval_batches(val_rows, cfg.batch_size, cfg.eval_rows) if val_rows is not None and cfg.eval_rows else []
         self.optimizer, self.param_names = make_adamw(

@@ -28,8 +28,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from msakit.train.corpus import Corpus, CorpusFile
-from msakit.train.tokenizer import Tokenizer, default_cache_dir
+from msakit.train.corpus import Corpus, CorpusFile, build_corpus
+from msakit.train.tokenizer import Tokenizer, default_cache_dir, train_tokenizer
 
 IGNORE = -100
 _ENCODE_BATCH_BYTES = 4 << 20
@@ -311,14 +311,12 @@ def prepare_data(
     """
     import time
 
-    from msakit.train.corpus import build_corpus
 
     t0 = time.time()
     corpus = build_corpus(data, stdlib=stdlib, val_fraction=val_fraction,
                           stdlib_root=Path(stdlib_root) if stdlib_root is not None else None)
     t1 = time.time()
     if tokenizer is None:
-        from msakit.train.tokenizer import train_tokenizer
 
         tokenizer = train_tokenizer(corpus.train, vocab_size, cache_dir=cache_dir, use_cache=use_cache,
                                     max_bytes=tokenizer_max_bytes)

@@ -38,6 +38,7 @@ from msakit.models import M3Config, M3ForCausalLM
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.data import eval_batches, prepare_data
 from msakit.train.folders import check_context, first_missing_ancestor
+from msakit.train.jsonl import append_metrics
 from msakit.train.metrics import autocast_for
 from msakit.train.plots import write_plots
 from msakit.train.tokenizer import TextStreamer
@@ -210,8 +211,7 @@ def run_demo(*, preset: str = "tiny", out: str | Path = "runs/demo", device: str
                "recall_far_per_layer": [x["recall_far"] for x in layers],
                "oracle_far_per_layer": [x["oracle_far"] for x in layers], "kl_per_layer": [x["kl"] for x in layers],
                "val_load_balance": ev_s.get("load_balance", [])}
-        with open(work / METRICS_FILE, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(rec) + "\n")
+        append_metrics(work, rec)
         t_eval = time.time() - t0
 
         # sample --------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ so memory stays O(chunk x T).
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from typing import Any, Sequence
 

@@ -6,10 +6,10 @@ import math
 import os
 from pathlib import Path
 
+from msakit.train.jsonl import read_metrics
+
 
 def _records(path: Path) -> list[dict]:
-    from msakit.train.trainer import read_metrics
-
     return read_metrics(path)
 
 

@@ -41,19 +41,26 @@ import math
 import os
 import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from msakit.distributed.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+from msakit.distributed.fsdp import allreduce_gradients, full_norm, shard_model, sync_expert_load
+from msakit.distributed.launch import rank_seed
+from msakit.distributed.step import loss_shares, reduce_sum, set_attention_context
+from msakit.models.modeling import M3DecoderLayer
 from msakit.nn.attention import KL_TOKENS
+from msakit.ops.dispatch import triton_available
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.data import Batch, PackedRows, RowLoader, eval_batches
+from msakit.train.jsonl import METRICS_FILE, append_metrics, read_metrics
 from msakit.train.metrics import autocast_for, evaluate, load_balance, model_forward
+from msakit.train.plots import write_plots
 
-METRICS_FILE = "metrics.jsonl"
 TRAIN_WHAT = ("all", "index")  # TrainConfig.train
 SHARDED_DIR = "sharded"  # DCP checkpoints of runs on several ranks: <run>/sharded/step-N, <run>/sharded/latest
 
@@ -195,8 +202,6 @@ def compile_layers(model: torch.nn.Module, *, fullgraph: bool | None = None, bac
     `sparse_attention`, `index_topk` and `index_kl_loss` are `torch.library` custom ops with fake
     kernels and registered autograd -- else False: an MSA layer on CPU runs the ops' chunked
     PyTorch paths, whose data-dependent shapes break the graph there (the rest compiles)."""
-    from msakit.models.modeling import M3DecoderLayer
-    from msakit.ops.dispatch import triton_available
 
     layers = [m for m in model.modules() if isinstance(m, M3DecoderLayer)]
     if not layers:
@@ -220,13 +225,6 @@ def optimizer_step(optimizer: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr * g.get("lr_scale", 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def append_metrics(out_dir: Path, record: dict) -> None:
-    """One JSON line appended to out_dir / metrics.jsonl."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / METRICS_FILE, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record, allow_nan=True) + "\n")
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, param_names: list[str], ot: Any, os_: Any,
@@ -312,7 +310,6 @@ class Trainer:
         if fsdp:
             if parallel is None or parallel.fsdp_mesh is None:
                 raise ValueError("--fsdp needs a process group: launch with torchrun")
-            from msakit.distributed.fsdp import shard_model
 
             shard_model(self.model, parallel.fsdp_mesh, activation_checkpointing=activation_checkpointing)
         self.is_main = parallel is None or parallel.env.is_main
@@ -338,7 +335,6 @@ class Trainer:
         self.tokens_seen = 0
         seed = cfg.seed
         if parallel is not None:  # per-rank randomness; weights and data order use cfg.seed on every rank
-            from msakit.distributed.launch import rank_seed
 
             seed = rank_seed(cfg.seed, parallel.env.rank)
         torch.manual_seed(seed)
@@ -391,7 +387,6 @@ class Trainer:
                     else lm.new_zeros(())
                 loss = lm.float() + cfg.kl_coef * kl.float()
                 return lm.detach(), kl.detach(), loss, getattr(out, "expert_load", None), None
-            from msakit.distributed.step import loss_shares, reduce_sum
 
             sh = loss_shares(model, batch.input_ids, batch.labels, par,
                              cu_seqlens=batch.cu_seqlens if cfg.doc_attention else None, compute_kl=with_kl)
@@ -413,16 +408,13 @@ class Trainer:
             raise FloatingPointError(f"loss is not finite at step {self.step} ({lm_s} LM, {float(kl):.4g} KL)")
         loss.backward()
         if par is not None and par.cp > 1:
-            from msakit.distributed.step import set_attention_context
 
             set_attention_context(model, None)
         params = optimizer_params(self.optimizer)
         if par is not None and par.env.distributed and not self.fsdp:
-            from msakit.distributed.fsdp import allreduce_gradients
 
             allreduce_gradients(params)
         if par is not None:  # a DTensor norm under FSDP2, made whole
-            from msakit.distributed.fsdp import full_norm
 
             gn = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
         else:
@@ -432,7 +424,6 @@ class Trainer:
         optimizer_step(self.optimizer, lr)
         if el is not None and el.numel():
             if par is not None:
-                from msakit.distributed.fsdp import sync_expert_load
 
                 el = sync_expert_load(el)
             if cfg.routing_bias_rate > 0:
@@ -522,7 +513,6 @@ class Trainer:
 
     def _save_sharded(self) -> Path:
         """A DCP checkpoint under out_dir/sharded/step-N (every rank writes its shards; rank 0 the rest)."""
-        from msakit.distributed.checkpoint import save_sharded
 
         root = self.out_dir / SHARDED_DIR
         path = save_sharded(root / f"step-{self.step:08d}", self.model, self.optimizer,
@@ -542,7 +532,6 @@ class Trainer:
     def resume_sharded(self, path: str | os.PathLike) -> Path:
         """Restore weights, optimizer, loader and step from a DCP checkpoint saved on any number of
         ranks (or its run folder: the newest one under out/sharded)."""
-        from msakit.distributed.checkpoint import is_sharded_checkpoint, load_sharded
 
         ck = find_sharded(path)
         if ck is None or not is_sharded_checkpoint(ck):
@@ -647,8 +636,6 @@ class Trainer:
         if not self.is_main:
             return
         try:
-            from msakit.train.plots import write_plots
-
             switch = None if self.cfg.train == "index" else self.cfg.dense_warmup_steps
             write_plots(self.out_dir / METRICS_FILE, self.out_dir, switch_step=switch)
         except ImportError:
@@ -701,19 +688,6 @@ def load_model_weights(model, ckpt: Path) -> None:
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(sd[k])
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    out = []
-    p = Path(path)
-    if not p.is_file():
-        return out
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 __all__ = ["TrainConfig", "Trainer", "lr_at", "mode_at", "resolve_device", "load_model_weights", "read_metrics",

@@ -87,7 +87,7 @@ def test_shapes(flash: ModelShape, m3: ModelShape) -> None:
     for s in (flash, m3):
         assert (s.vocab_size, s.hidden_size, s.num_layers) == (200_064, 6_144, 60)
         assert (s.num_heads, s.num_kv_heads, s.head_dim) == (64, 4, 128)
-        assert (s.index_n_heads, s.index_head_dim, s.block_size, s.topk_blocks) == (4, 128, 128, 16)
+        assert (s.index_n_heads, s.index_head_dim, s.block_size, s.topk) == (4, 128, 128, 16)
         assert (s.local_blocks, s.init_blocks) == (1, 0)
         assert (s.num_experts, s.top_k, s.expert_intermediate_size) == (128, 4, 3_072)
         assert (s.n_shared_experts, s.shared_intermediate_size) == (1, 3_072)
@@ -436,7 +436,7 @@ def test_ratios_increase_with_context_and_stay_below_limit(
     s = ModelShape(vocab_size=1000, hidden_size=1024, num_layers=4, num_heads=kv * group,
                    num_kv_heads=kv, head_dim=dh, expert_intermediate_size=256, num_experts=8,
                    top_k=2, sparse_layers=(False, True, True, True), moe_layers=(True,) * 4,
-                   index_n_heads=kv, index_head_dim=didx, block_size=bk, topk_blocks=k)
+                   index_n_heads=kv, index_head_dim=didx, block_size=bk, topk=k)
     n2 = n + max(dn, n // 4096)  # a step large enough for float64 to resolve
     limit = cost.attention_flop_ratio_limit(s)
     r1, r2 = cost.attention_flop_ratio(s, n), cost.attention_flop_ratio(s, n2)

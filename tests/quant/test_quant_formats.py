@@ -452,7 +452,7 @@ def test_kernels_float16_and_layouts():
     check_all_nvfp4(x1, "1-D")
     for bsz in (16, 64):
         assert_bits_equal(
-            kernel(F.mxfp8_quantize, x1, block_size=bsz)[0], ref(F.mxfp8_quantize, x1, block_size=bsz)[0], f"bs {bsz}"
+            kernel(F.mxfp8_quantize, x1, scale_block_size=bsz)[0], ref(F.mxfp8_quantize, x1, scale_block_size=bsz)[0], f"bs {bsz}"
         )
 
 
@@ -784,7 +784,7 @@ def test_value_errors(backend):
     with pytest.raises(ValueError, match="scale_rule"):
         F.mxfp8_quantize(x, scale_rule="nearest", backend=backend)
     with pytest.raises(ValueError, match="block_size"):
-        F.mxfp8_quantize(x, block_size=24, backend=backend)
+        F.mxfp8_quantize(x, scale_block_size=24, backend=backend)
     with pytest.raises(ValueError, match="x must be"):
         F.mxfp8_quantize(x.double(), backend=backend)
     with pytest.raises(ValueError, match="x must be"):
@@ -805,7 +805,7 @@ def test_value_errors(backend):
     with pytest.raises(ValueError, match="scales must be"):
         F.mxfp8_dequantize(codes, scales.float(), backend=backend)
     with pytest.raises(ValueError, match="block_size"):
-        F.mxfp8_dequantize(codes, scales, block_size=16, backend=backend)
+        F.mxfp8_dequantize(codes, scales, scale_block_size=16, backend=backend)
     with pytest.raises(ValueError, match="dtype"):
         F.mxfp8_dequantize(codes, scales, torch.float64, backend=backend)
     packed, bs, gs = F.nvfp4_quantize(x, backend=backend)

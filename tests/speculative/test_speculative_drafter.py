@@ -44,7 +44,7 @@ def test_released_config() -> None:
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (5, 6144, 200064)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (64, 4, 128, 12288)
     assert cfg.target_layer_ids == [3, 17, 31, 45, 59]
-    assert (cfg.block_size, cfg.num_drafts, cfg.verify_width) == (7, 7, 8)
+    assert (cfg.draft_block_size, cfg.num_drafts, cfg.verify_width) == (7, 7, 8)
     assert (cfg.noise_token_id, cfg.markov_rank, cfg.sliding_window) == (200058, 256, 4096)
     assert cfg.enable_confidence_head and cfg.confidence_head_with_markov
     assert cfg.quantization_config == {"quant_method": "mxfp8", "weight_block_size": [1, 32]}
@@ -86,7 +86,7 @@ def test_scaled_presets() -> None:
     c = DSparkConfig.for_target(t, "small")
     assert c.num_hidden_layers == 2 and c.hidden_size == 512 and c.vocab_size == 1000
     assert c.target_layer_ids == spread_taps(8) and c.target_layer_ids[-1] == 7 and len(set(c.target_layer_ids)) == 5
-    assert c.noise_token_id == 999 and c.block_size == 7
+    assert c.noise_token_id == 999 and c.draft_block_size == 7
     tiny = DSparkConfig.for_target(M3Config.preset("tiny"), "tiny")
     assert tiny.num_hidden_layers == 1 and tiny.target_layer_ids == [0, 1, 2, 3]
     assert spread_taps(2) == [0, 1] and spread_taps(1) == [0] and spread_taps(12, 3) == [1, 6, 11]

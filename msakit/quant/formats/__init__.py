@@ -82,12 +82,12 @@ def _check_dtype_arg(dtype: object) -> torch.dtype:
     return dtype  # type: ignore[return-value]
 
 
-def _check_block_size(block_size: object) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    if block_size & (block_size - 1) or block_size > 4096:
-        raise ValueError(f"block_size must be a power of two <= 4096, got {block_size}")
-    return block_size
+def _check_scale_block_size(scale_block_size: object) -> int:
+    if isinstance(scale_block_size, bool) or not isinstance(scale_block_size, int) or scale_block_size < 1:
+        raise ValueError(f"scale_block_size must be a positive integer, got {scale_block_size!r}")
+    if scale_block_size & (scale_block_size - 1) or scale_block_size > 4096:
+        raise ValueError(f"scale_block_size must be a power of two <= 4096, got {scale_block_size}")
+    return scale_block_size
 
 
 def _check_divisible(name: str, x: torch.Tensor, block: int, what: str) -> None:
@@ -138,53 +138,53 @@ def _global_scale_tensor(global_scale: object, device: torch.device) -> torch.Te
 # ----------------------------------------------------------------------------------------------
 
 
-def _mxfp8_args(x, block_size, scale_rule, check_finite) -> tuple[torch.Tensor, int, str]:
+def _mxfp8_args(x, scale_block_size, scale_rule, check_finite) -> tuple[torch.Tensor, int, str]:
     x = _check_float("x", x)
-    block_size = _check_block_size(block_size)
-    _check_divisible("x", x, block_size, "block_size")
+    scale_block_size = _check_scale_block_size(scale_block_size)
+    _check_divisible("x", x, scale_block_size, "scale_block_size")
     scale_rule = _check_scale_rule(scale_rule)
     if check_finite:
         _check_finite("x", x)
-    return x, block_size, scale_rule
+    return x, scale_block_size, scale_rule
 
 
 def mxfp8_quantize(
     x: torch.Tensor,
     *,
-    block_size: int = 32,
+    scale_block_size: int = 32,
     scale_rule: str = "rceil",
     backend: str = "auto",
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (float32/bfloat16/float16) -> (codes float8_e4m3fn [..., K], scales uint8
-    E8M0 [..., K/block_size]); x ~= codes * 2^(scales - 127) per block.
+    E8M0 [..., K/scale_block_size]); x ~= codes * 2^(scales - 127) per block.
 
     scale_rule "rceil": 2^ceil(log2(amax/448)), never saturates (cuBLAS, TE, ModelOpt);
     "floor": 2^(floor(log2 amax) - 8), codes saturated to +/-448 (OCP MX v1.0).  Codes are
     round-to-nearest-even; an all-zero block gets scale byte 127 and zero codes."""
-    x, block_size, scale_rule = _mxfp8_args(x, block_size, scale_rule, check_finite)
+    x, scale_block_size, scale_rule = _mxfp8_args(x, scale_block_size, scale_rule, check_finite)
     if use_triton("mxfp8_quantize", backend, x.device):
         from .triton import mxfp8_quantize_triton
 
-        return mxfp8_quantize_triton(x, block_size=block_size, scale_rule=scale_rule)
-    return mxfp8_quantize_ref(x, block_size=block_size, scale_rule=scale_rule)
+        return mxfp8_quantize_triton(x, scale_block_size=scale_block_size, scale_rule=scale_rule)
+    return mxfp8_quantize_ref(x, scale_block_size=scale_block_size, scale_rule=scale_rule)
 
 
 def mxfp8_fake_quantize(
     x: torch.Tensor,
     *,
-    block_size: int = 32,
+    scale_block_size: int = 32,
     scale_rule: str = "rceil",
     backend: str = "auto",
     check_finite: bool = True,
 ) -> torch.Tensor:
     """mxfp8_dequantize(*mxfp8_quantize(x), dtype=x.dtype) in one pass (the QAT forward)."""
-    x, block_size, scale_rule = _mxfp8_args(x, block_size, scale_rule, check_finite)
+    x, scale_block_size, scale_rule = _mxfp8_args(x, scale_block_size, scale_rule, check_finite)
     if use_triton("mxfp8_fake_quantize", backend, x.device):
         from .triton import mxfp8_fake_quantize_triton
 
-        return mxfp8_fake_quantize_triton(x, block_size=block_size, scale_rule=scale_rule)
-    return mxfp8_fake_quantize_ref(x, block_size=block_size, scale_rule=scale_rule)
+        return mxfp8_fake_quantize_triton(x, scale_block_size=scale_block_size, scale_rule=scale_rule)
+    return mxfp8_fake_quantize_ref(x, scale_block_size=scale_block_size, scale_rule=scale_rule)
 
 
 def mxfp8_dequantize(
@@ -192,12 +192,12 @@ def mxfp8_dequantize(
     scales: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
     *,
-    block_size: int | None = None,
+    scale_block_size: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """(codes float8_e4m3fn [..., K], scales uint8 or float8_e8m0fnu [..., K/bs]) ->
     codes * 2^(scales - 127) in `dtype` [..., K].  The block size is K / scales.shape[-1]
-    (checked against `block_size` when given).  Scale byte 255 (E8M0 NaN) gives NaN."""
+    (checked against `scale_block_size` when given).  Scale byte 255 (E8M0 NaN) gives NaN."""
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.float8_e4m3fn:
         raise ValueError(f"codes must be a float8_e4m3fn tensor, got {getattr(codes, 'dtype', type(codes).__name__)}")
     if not isinstance(scales, torch.Tensor) or scales.dtype not in (torch.uint8, E8M0_DTYPE):
@@ -212,9 +212,9 @@ def mxfp8_dequantize(
     if nb == 0 or K % nb:
         raise ValueError(f"codes' last dimension K={K} must be a multiple of scales' last dimension {nb}")
     bs = K // nb
-    if block_size is not None and block_size != bs:
-        raise ValueError(f"block_size={block_size} does not match codes/scales shapes (K={K}, {nb} blocks)")
-    _check_block_size(bs)
+    if scale_block_size is not None and scale_block_size != bs:
+        raise ValueError(f"scale_block_size={scale_block_size} does not match codes/scales shapes (K={K}, {nb} blocks)")
+    _check_scale_block_size(bs)
     if use_triton("mxfp8_dequantize", backend, codes.device):
         from .triton import mxfp8_dequantize_triton
 

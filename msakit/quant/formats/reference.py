@@ -154,14 +154,14 @@ def mxfp8_scale_exponent(amax: torch.Tensor, scale_rule: str = "rceil") -> torch
 
 
 def mxfp8_quantize_ref(
-    x: torch.Tensor, *, block_size: int = 32, scale_rule: str = "rceil"
+    x: torch.Tensor, *, scale_block_size: int = 32, scale_rule: str = "rceil"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (codes float8_e4m3fn [..., K], scales uint8 E8M0 [..., K/block_size]).
+    """x [..., K] -> (codes float8_e4m3fn [..., K], scales uint8 E8M0 [..., K/scale_block_size]).
 
     codes = RNE_E4M3(x / 2^e), saturating at +/-448 (only "floor" ever needs it: under "rceil"
     amax / 2^e <= 448 exactly, and RNE cannot round a value <= 448 above 448)."""
     K = x.shape[-1]
-    xb = x.float().reshape(*x.shape[:-1], K // block_size, block_size)
+    xb = x.float().reshape(*x.shape[:-1], K // scale_block_size, scale_block_size)
     amax = xb.abs().amax(dim=-1)
     e = mxfp8_scale_exponent(amax, scale_rule)
     q = xb * pow2(-e).unsqueeze(-1)  # exact: 2^-e is a normal float32 for e in [-127, 120]
@@ -186,9 +186,9 @@ def mxfp8_dequantize_ref(
     return out.reshape(codes.shape).to(dtype)
 
 
-def mxfp8_fake_quantize_ref(x: torch.Tensor, *, block_size: int = 32, scale_rule: str = "rceil") -> torch.Tensor:
+def mxfp8_fake_quantize_ref(x: torch.Tensor, *, scale_block_size: int = 32, scale_rule: str = "rceil") -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype."""
-    codes, scales = mxfp8_quantize_ref(x, block_size=block_size, scale_rule=scale_rule)
+    codes, scales = mxfp8_quantize_ref(x, scale_block_size=scale_block_size, scale_rule=scale_rule)
     return mxfp8_dequantize_ref(codes, scales, dtype=x.dtype)
 
 

@@ -1031,7 +1031,7 @@ def _launch_kwargs(num_warps: int | None, n_blocks: int | None = None, br: int =
 def mxfp8_quantize_triton(
     x: torch.Tensor,
     *,
-    block_size: int = 32,
+    scale_block_size: int = 32,
     scale_rule: str = "rceil",
     tile_elems: int | None = None,
     num_warps: int | None = None,
@@ -1039,14 +1039,14 @@ def mxfp8_quantize_triton(
     x = x.contiguous()
     K = x.shape[-1]
     codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((*x.shape[:-1], K // block_size), dtype=torch.uint8, device=x.device)
-    n_blocks = x.numel() // block_size
+    scales = torch.empty((*x.shape[:-1], K // scale_block_size), dtype=torch.uint8, device=x.device)
+    n_blocks = x.numel() // scale_block_size
     if n_blocks:
-        br = _tile(n_blocks, block_size, tile_elems, "mxfp8")
+        br = _tile(n_blocks, scale_block_size, tile_elems, "mxfp8")
         _mxfp8_quant_kernel[(triton.cdiv(n_blocks, br),)](
             _as_kernel_view(x), codes.view(torch.uint8), scales, codes.view(torch.uint8), n_blocks,
-            BS=block_size, BR=br, IN_KIND=_KIND[x.dtype], OUT_KIND=0,
-            FLOOR=scale_rule == "floor", FAKE=False, **_launch_kwargs(num_warps, n_blocks, br, block_size),
+            BS=scale_block_size, BR=br, IN_KIND=_KIND[x.dtype], OUT_KIND=0,
+            FLOOR=scale_rule == "floor", FAKE=False, **_launch_kwargs(num_warps, n_blocks, br, scale_block_size),
         )  # fmt: skip
     return codes, scales
 
@@ -1054,21 +1054,21 @@ def mxfp8_quantize_triton(
 def mxfp8_fake_quantize_triton(
     x: torch.Tensor,
     *,
-    block_size: int = 32,
+    scale_block_size: int = 32,
     scale_rule: str = "rceil",
     tile_elems: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
-    n_blocks = x.numel() // block_size
+    n_blocks = x.numel() // scale_block_size
     if n_blocks:
-        br = _tile(n_blocks, block_size, tile_elems, "mxfp8")
+        br = _tile(n_blocks, scale_block_size, tile_elems, "mxfp8")
         xv, ov = _as_kernel_view(x), _as_kernel_view(out)
         _mxfp8_quant_kernel[(triton.cdiv(n_blocks, br),)](
             xv, ov, ov, ov, n_blocks,
-            BS=block_size, BR=br, IN_KIND=_KIND[x.dtype], OUT_KIND=_KIND[x.dtype],
-            FLOOR=scale_rule == "floor", FAKE=True, **_launch_kwargs(num_warps, n_blocks, br, block_size),
+            BS=scale_block_size, BR=br, IN_KIND=_KIND[x.dtype], OUT_KIND=_KIND[x.dtype],
+            FLOOR=scale_rule == "floor", FAKE=True, **_launch_kwargs(num_warps, n_blocks, br, scale_block_size),
         )  # fmt: skip
     return out
 
