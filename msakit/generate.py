@@ -46,7 +46,7 @@ captured like the uncompiled one; without them (CPU) every step within max_len r
 compiled step from the static buffers.
 
 Kept across calls: `generate` takes its paged decoder from `decoder_for`, a per-model pool
-(`StatePool`) keyed by (batch, max_len rounded up to LENGTH_QUANTUM, kv_dtype, backend,
+(`msakit.graphs.StatePool`) keyed by (batch, max_len rounded up to `msakit.graphs.LENGTH_QUANTUM`, kv_dtype, backend,
 cuda_graph, compile), so a later call of the same shape reuses the pools, static buffers and captured
 graphs (no new capture); a change of the model's weights or attention modes
 (`model_state_key`) drops them; `clear_decoders` frees them.
@@ -55,22 +55,28 @@ graphs (no new capture); a change of the model's weights or attention modes
 from __future__ import annotations
 
 import warnings
-import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
 
 from msakit.cache import DeferredPagedStep, KVCache, PagedKVCache, PagedStep
+from msakit.graphs import (
+    GraphCaptureError,
+    StatePool,
+    capture_graph,
+    error_site,
+    graph_warning,
+    model_state_key,
+    round_length,
+)
 from msakit.nn.core import paged_step_context
-from msakit.nn.moe import MoE, grouped_mm_trial
+from msakit.nn.moe import MoE
 from msakit.ops.decode import plan_decode
 from msakit.ops.dispatch import triton_available, use_triton
 from msakit.sampling import keyword_options, sample_next
 
 __all__ = ["KVCache", "sample_next", "generate", "generate_uncached", "paged_supported", "PagedDecoder",
-           "capture_graph", "GraphCaptureError", "graph_warning", "decoder_for", "clear_decoders", "StatePool", "model_state_key",
-           "round_length", "compiled_step_forward", "COMPILE_OPTIONS"]
+           "decoder_for", "clear_decoders", "compiled_step_forward", "COMPILE_OPTIONS"]
 
 CACHE_KINDS = ("auto", "contiguous", "paged")
 
@@ -125,75 +131,6 @@ class _GraphStep:
         self.plan = plan
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
-
-
-_GRAPH_WARNED: set[str] = set()
-
-
-def graph_warning(reason: str) -> None:
-    if reason not in _GRAPH_WARNED:
-        _GRAPH_WARNED.add(reason)
-        warnings.warn(f"msakit.generate: CUDA-graph decode disabled, decoding eagerly: {reason}", RuntimeWarning,
-                      stacklevel=4)
-
-
-def _where(e: BaseException) -> str:
-    """' at FILE:LINE (function)' of the innermost msakit frame of e's traceback ('' if none)."""
-    import traceback
-
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "msakit" in f.filename.replace("\\", "/")]
-    if not frames:
-        return ""
-    f = frames[-1]
-    path = f.filename.replace("\\", "/")
-    return f" at {path[path.rfind('msakit/'):]}:{f.lineno} ({f.name})"
-
-
-class GraphCaptureError(RuntimeError):
-    """`capture_graph` failed: `stage` is "warm-up" or "capture"; `out` the warm-up's output
-    (None when the warm-up itself failed)."""
-
-    def __init__(self, stage: str, error: BaseException, out: Any = None) -> None:
-        super().__init__(f"{stage}: {type(error).__name__}: {error}")
-        self.stage, self.error, self.out = stage, error, out
-
-    def describe(self, what: str) -> str:
-        e = self.error
-        verb = "failed" if self.stage == "warm-up" else "could not be captured"
-        return f"{what} {verb}{_where(e)} ({type(e).__name__}: {str(e).strip()[:300]})"
-
-
-def capture_graph(fn: Callable[[], Any], device: torch.device) -> tuple[Any, "torch.cuda.CUDAGraph", Any]:
-    """Warm up and capture `fn` (a step that reads only static buffers) as one CUDA graph.
-
-    The warm-up is a real call of fn() on a side stream with torch's sync debug mode set to
-    "error", so any host sync raises; then fn() is captured on that stream.  Returns (the
-    warm-up's output, the graph, the captured call's output buffers); raises GraphCaptureError.
-    A sync error inside torch._grouped_mm does not mark it failed for good (`grouped_mm_trial`)."""
-    cur = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(cur)
-    prev = torch.cuda.get_sync_debug_mode()
-    try:
-        with torch.cuda.stream(side), grouped_mm_trial():
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                out = fn()
-            finally:
-                torch.cuda.set_sync_debug_mode(prev)
-    except Exception as e:  # noqa: BLE001 - the caller falls back to eager
-        cur.wait_stream(side)
-        raise GraphCaptureError("warm-up", e) from e
-    cur.wait_stream(side)
-    for o in out if isinstance(out, (tuple, list)) else (out,):
-        o.record_stream(cur)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with grouped_mm_trial(), torch.cuda.graph(graph, stream=side):
-            captured = fn()
-    except Exception as e:  # noqa: BLE001
-        raise GraphCaptureError("capture", e, out) from e
-    return out, graph, captured
 
 
 def _h2d(dst: torch.Tensor, values: list[int]) -> None:
@@ -355,7 +292,7 @@ class PagedDecoder:
                 with paged_step_context(self.cache, plan, self.backend):
                     return compiled_step_forward()(self.model, new, positions, slots, page_table, seq_lens)
             except torch._dynamo.exc.TorchDynamoException as e:  # dynamo / inductor failed: run uncompiled
-                self.compile_disabled_reason = f"the compiled step failed{_where(e)} ({type(e).__name__}: " \
+                self.compile_disabled_reason = f"the compiled step failed{error_site(e)} ({type(e).__name__}: " \
                                                f"{str(e).strip()[:300]})"
                 warnings.warn(f"msakit.generate: compile=True disabled, decoding uncompiled: "
                               f"{self.compile_disabled_reason}", RuntimeWarning, stacklevel=3)
@@ -493,67 +430,6 @@ class PagedDecoder:
 # ---------------------------------------------------------------------------------------------
 # Decoders (and their captured graphs) kept across generate calls
 # ---------------------------------------------------------------------------------------------
-
-MAX_DECODERS = 2  # per model and pool, least recently used dropped first
-LENGTH_QUANTUM = 128  # max_len is rounded up to a multiple of this, so nearby lengths share a decoder
-
-
-def model_state_key(*models: Any) -> tuple:
-    """What a captured step of `models` depends on besides its own buffers: each attention
-    module's mode and every parameter's storage, dtype and shape (a replaced or moved weight, a
-    QAT wrapper, a mode switch all change it)."""
-    out = []
-    for model in models:
-        modes = tuple(m.mode for m in model.msa_layers()) if hasattr(model, "msa_layers") else ()
-        out.append((modes, tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for p in model.parameters())))
-    return tuple(out)
-
-
-def round_length(n: int) -> int:
-    """n rounded up to a multiple of LENGTH_QUANTUM (the length a pooled state is built for)."""
-    return -(-int(n) // LENGTH_QUANTUM) * LENGTH_QUANTUM
-
-
-class StatePool:
-    """Generation states (caches, static buffers, captured CUDA graphs) kept across calls, per
-    model (weakly: a pooled state must hold no reference to the model) and per shape key, the
-    `size` most recently used of each model.  `get(model, state, key, make)` returns the state
-    stored under `key` (reset through its `reset()`) when it was made for the same `state` (a
-    tuple of `model_state_key` parts, the model's own first) and is not in use, else a new
-    `make()` (stored when the key is free); states made for another state of the model itself
-    are dropped.  States have an `in_use` flag, set here and cleared by their owner when the
-    call ends."""
-
-    def __init__(self, size: int = MAX_DECODERS) -> None:
-        self.size = size
-        self._by_model: "weakref.WeakKeyDictionary[Any, OrderedDict]" = weakref.WeakKeyDictionary()
-
-    def get(self, model: Any, state: tuple, key: Any, make: Callable[[], Any]) -> Any:
-        pool = self._by_model.get(model)
-        if pool is None:
-            pool = self._by_model[model] = OrderedDict()
-        for k in [k for k, (st, _) in pool.items() if st[0] != state[0]]:  # the model itself changed
-            del pool[k]
-        st, obj = pool.get(key, (None, None))
-        if obj is None or st != state or obj.in_use:
-            obj = make()
-            if st != state or key not in pool:
-                pool[key] = (state, obj)
-        else:
-            obj.reset()
-        if key in pool:
-            pool.move_to_end(key)
-        while len(pool) > self.size:
-            pool.popitem(last=False)
-        obj.in_use = True
-        return obj
-
-    def clear(self, model: Any = None) -> None:
-        if model is None:
-            self._by_model.clear()
-        else:
-            self._by_model.pop(model, None)
-
 
 _DECODERS = StatePool()
 

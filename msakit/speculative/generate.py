@@ -58,7 +58,7 @@ Outside the graphs: the prefill (`target_forward`, chunks of growing length) and
 token.  `autoregressive_generate` runs its per-token forward through `target_step` the same way.
 
 Kept across calls: the `SpecCache`, the static rounds and their captured graphs of a call come
-from a per-target pool (`msakit.generate.StatePool`) keyed by (batch, max_len rounded up, kind of
+from a per-target pool (`msakit.graphs.StatePool`) keyed by (batch, max_len rounded up, kind of
 round, g, sampling settings) for the same target and drafter state (`model_state_key`), so a later
 call of that shape replays the graphs without capturing again (`clear_runs` frees them; with
 cuda_graph=False nothing is pooled).
@@ -73,13 +73,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from msakit.generate import (
+from msakit.generate import paged_supported
+from msakit.graphs import (
     GraphCaptureError,
     StatePool,
     capture_graph,
     graph_warning,
     model_state_key,
-    paged_supported,
     round_length,
 )
 from msakit.ops.dispatch import triton_available
@@ -87,7 +87,12 @@ from msakit.sampling import keyword_options
 from msakit.speculative.cache import SPEC_CACHE_KINDS, SpecCache
 from msakit.speculative.cache import positions_check as _positions_check
 from msakit.speculative.drafter import DraftProposal, DSparkDrafter
-from msakit.speculative.verify import check_sampling, sample_probs, sampling_probs, verify
+from msakit.speculative.verify import (
+    check_sampling,
+    sample_probs,
+    sampling_probs,
+    verify,
+)
 from msakit.speculative.verify import confidence_budget as schedule_budget
 
 __all__ = ["speculative_generate", "autoregressive_generate", "SpecStats", "SpecCache", "target_forward",
@@ -465,7 +470,7 @@ def _budget_rounds(rounds: "StaticRounds", anchor: torch.Tensor, book: _Book, gr
 
 class _RunState:
     """A run's `SpecCache` with its static rounds (or the plain loop's graph and buffers), kept
-    across calls by `_run_state` (`msakit.generate.StatePool`): the cache buffers, the static
+    across calls by `_run_state` (`msakit.graphs.StatePool`): the cache buffers, the static
     buffers and the captured CUDA graphs survive; the models are attached for the call only."""
 
     def __init__(self, cache: SpecCache) -> None:

@@ -220,6 +220,7 @@ def test_decoders_and_graphs_kept_across_calls(monkeypatch) -> None:
     capture) with the logits of a fresh eager decoder; generate reuses its paged decoder; a new
     shape or a mode switch gets a fresh one; a decoder in use is never handed out twice."""
     import msakit.generate as G
+    from msakit import graphs
 
     captures = emulate_graphs(monkeypatch)
     model = paged_model("sparse")
@@ -238,7 +239,7 @@ def test_decoders_and_graphs_kept_across_calls(monkeypatch) -> None:
                 l1, l2 = dec.step(new), ref.step(new)
                 assert torch.equal(l1, l2)
             assert dec.cache.length(dec.seq_ids[0]) == 27
-    assert decs[0] is decs[1] and decs[0].max_len == G.LENGTH_QUANTUM and captures == [1]
+    assert decs[0] is decs[1] and decs[0].max_len == graphs.LENGTH_QUANTUM and captures == [1]
     assert decs[0].model is None  # pooled decoders do not keep their model alive
     with G.decoder_for(model, 2, 40, backend="reference") as a, G.decoder_for(model, 2, 40, backend="reference") as b:
         assert a is decs[0] and b is not a
@@ -310,11 +311,11 @@ def test_cuda_graph_generate_equals_eager(mode: str) -> None:
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_cuda_graph_falls_back_with_warning() -> None:
-    import msakit.generate as G
+    from msakit import graphs
 
     model = paged_model("sparse", device="cuda")
     prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1)).cuda()
-    G._GRAPH_WARNED.clear()
+    graphs._GRAPH_WARNED.clear()
     with pytest.warns(RuntimeWarning, match="reference"):
         a = generate(model, prompt, 6, temperature=0, cache="paged", decode_backend="reference", cuda_graph=True)
     b = generate(model, prompt, 6, temperature=0, cache="paged", decode_backend="reference", cuda_graph=False)
@@ -327,7 +328,7 @@ def test_capture_graph_flow_with_fakes(monkeypatch) -> None:
     stage "capture" with the warm-up's output; the sync debug mode is restored either way."""
     import contextlib
 
-    from msakit import generate as gen_mod
+    from msakit import graphs as gen_mod
 
     modes = ["default"]
 

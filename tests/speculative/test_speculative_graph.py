@@ -159,7 +159,7 @@ def test_graph_flow_with_fake_capture(monkeypatch) -> None:
 
 
 def _graph_failures() -> list[str]:
-    from msakit.generate import _GRAPH_WARNED
+    from msakit.graphs import _GRAPH_WARNED
 
     return sorted(r for r in _GRAPH_WARNED if "speculative_generate" in r)
 
