@@ -1,7 +1,7 @@
 """msakit: MiniMax-M3.1-Flash's system (MSA sparse attention with a KL-trained block indexer,
 NVFP4/MXFP8 quantization-aware training, DSpark speculative decoding), fast on Hopper GPUs."""
 
-__version__ = "0.1.0"
+from msakit.version import __version__  # noqa: F401  (the package version)
 
 
 def _register_with_transformers() -> None:

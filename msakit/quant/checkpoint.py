@@ -46,7 +46,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from msakit import __version__
+from msakit.version import __version__
 from msakit.config_io import read_config_json
 from msakit.models import M3Config, M3ForCausalLM
 from msakit.models.io import copy_tensors, hf_state_items, save_tensors, split_stacked
