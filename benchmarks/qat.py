@@ -41,7 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import env_info, save_json  # noqa: E402
 from msakit.models import M3Config, M3ForCausalLM  # noqa: E402
-from msakit.quant import capture_weight_refresh, convert, plan_counts, prepare_qat, qat_stats, quantization_plan  # noqa: E402
+from msakit.quant import capture_weight_refresh, convert, plan_counts, prepare_qat, qat_stats, qat_step, quantization_plan  # noqa: E402
+from msakit.quant.qat import module_qat  # noqa: E402
 
 PRESETS = {
     # CPU smoke run: tiny model, short context
@@ -471,12 +472,13 @@ def main() -> None:
     sync(device)
     tq = time.perf_counter()
     with autocast(device), torch.no_grad():
-        qat_model.qat_step()
+        qat_step(qat_model)
         for mq in qat_model.modules():  # (graph members refresh all at once on the first one)
-            if hasattr(mq, "_qat"):
-                ws = {k: getattr(mq, k) for k in mq._qat.formats if isinstance(getattr(mq, k, None), torch.Tensor)}
+            q = module_qat(mq)
+            if q is not None:
+                ws = {k: getattr(mq, k) for k in q.formats if isinstance(getattr(mq, k, None), torch.Tensor)}
                 dt = torch.bfloat16 if device.type == "cuda" else next(iter(ws.values())).dtype
-                mq._qat.fake_weights(ws, dt)
+                q.fake_weights(ws, dt)
     sync(device)
     res_qat["weight_quant_ms"] = 1e3 * (time.perf_counter() - tq)
     qat_packed = convert(copy.deepcopy(qat_model))

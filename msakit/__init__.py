@@ -6,7 +6,7 @@ from msakit.version import __version__  # noqa: F401  (the package version)
 
 def _register_with_transformers() -> None:
     """Once transformers is imported (now or later), register msakit's attention implementation
-    and the classes of saved MSA models with it (`msakit.models.convert.register_transformers`),
+    and the classes of saved MSA models with it (`msakit.models.hf.register_transformers`),
     so `transformers.AutoModelForCausalLM.from_pretrained` loads them.  transformers is not
     imported here: it is optional and slow to import."""
     import importlib.abc
@@ -14,7 +14,7 @@ def _register_with_transformers() -> None:
     import sys
 
     def register() -> None:
-        from msakit.models.convert import register_transformers
+        from msakit.models.hf import register_transformers
 
         register_transformers()
 

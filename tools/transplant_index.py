@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from msakit.models.convert import CONFIG_KEY, MSASettings, MSAWrappedModel, is_msa_folder, load_for_conversion  # noqa: E402
+from msakit.models.convert import load_for_conversion  # noqa: E402
+from msakit.models.hf import CONFIG_KEY, MSASettings, MSAWrappedModel, is_msa_folder  # noqa: E402
 
 
 def transplant(source: Path, index: Path, out: Path) -> Path:
@@ -31,17 +32,11 @@ def transplant(source: Path, index: Path, out: Path) -> Path:
     settings = MSASettings.from_dict(json.loads((index / "config.json").read_text())[CONFIG_KEY])
     hf = load_for_conversion(source)
     model = MSAWrappedModel(hf, settings, seed=None)
+    want = set(model.adapter.index_weight_names(model.hf, settings.layers))
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(index.glob("*.safetensors")):
-        tensors.update({n: t for n, t in load_file(str(f)).items() if ".self_attn.index_" in n})
-    own = dict(model.hf.named_parameters())
-    want = {n for n in own if ".self_attn.index_" in n}
-    if set(tensors) != want:
-        raise ValueError(f"index weights do not match: missing {sorted(want - set(tensors))[:4]}, "
-                         f"unexpected {sorted(set(tensors) - want)[:4]}")
-    with torch.no_grad():
-        for n, t in tensors.items():
-            own[n].copy_(t.to(own[n].dtype))
+        tensors.update({n: t for n, t in load_file(str(f)).items() if n in want})
+    model.adapter.load_index_state_dict(model.hf, settings.layers, tensors)
     model.save_pretrained(out)
     return out
 

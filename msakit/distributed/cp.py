@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from msakit.cache.base import HeldKeys
-from msakit.models.modeling import document_segments
+from msakit.models.interface import document_segments
 from msakit.nn.core import attend as core_attend
 from msakit.nn.core import select as core_select
 from msakit.ops.index_topk import Selection

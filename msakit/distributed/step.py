@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from msakit.distributed.cp import IGNORE_INDEX, ContextParallel
 from msakit.distributed.launch import Parallel
-from msakit.models.modeling import document_segments
+from msakit.models.interface import document_segments
 from msakit.nn.attention import MSAAttention
 
 __all__ = ["LossShares", "next_token_targets", "loss_shares", "set_attention_context", "attention_context_supported",

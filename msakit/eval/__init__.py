@@ -1,8 +1,8 @@
 """Long-context evaluation: loss by position, passkey / needle / variable tracking, selection policies.
 
 Works on any model whose ``forward(input_ids)`` returns ``.logits`` (msakit models, converted HF
-models, plain transformers models); sparse policies need ``set_attention_mode`` and
-``set_selection_policy`` (see `msakit.eval.runner`).  `msakit eval` is the command line.
+models, plain transformers models); sparse policies need the interfaces declared in
+`msakit.models.interface` (`SparseModel`, `SelectionModel`; see `msakit.eval.runner`).  `msakit eval` is the command line.
 """
 
 from __future__ import annotations

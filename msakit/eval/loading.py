@@ -8,7 +8,9 @@ from typing import Any, Callable
 
 from msakit.eval.hf_policy import HFPolicyModel
 from msakit.eval.runner import EvalConfig, parse_policy
-from msakit.models.convert import MSAWrappedModel, convert_dense_to_msa, load_for_conversion
+from msakit.models.convert import convert_dense_to_msa, load_for_conversion
+from msakit.models.hf import MSAWrappedModel
+from msakit.models.interface import SparseModel
 
 __all__ = ["load_eval_model", "load_eval_tokenizer"]
 
@@ -32,10 +34,10 @@ def load_eval_model(model_dir: Path, cfg: EvalConfig, *, device: Any, dtype: Any
     model = load_for_conversion(model_dir, device=device, dtype=dtype)
     kinds = {parse_policy(p)[0] for p in cfg.policies}
     sparse = bool(kinds - {"dense", "last"})
-    if sparse and not hasattr(model, "set_attention_mode") and "msa" not in kinds:
+    if sparse and not isinstance(model, SparseModel) and "msa" not in kinds:
         log(f"running the policies on the HF model's attention ({cfg.budget}; no index branch)")
         model = HFPolicyModel(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk, init_blocks=init_blocks)
-    elif sparse and not hasattr(model, "set_attention_mode"):
+    elif sparse and not isinstance(model, SparseModel):
         log(f"adding an untrained index branch ({cfg.budget}, init_blocks {init_blocks}, seed {cfg.seed})")
         model = convert_dense_to_msa(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk,
                                      init_blocks=init_blocks, seed=cfg.seed, device=device, dtype=dtype)

@@ -1,16 +1,18 @@
 """The evaluation loop: policies x tasks x lengths x depths x samples, resumable.
 
 The model is used only through ``forward(input_ids) -> .logits`` (one forward per sample or
-batch of samples; no cache).  Selection policies reach it through two optional methods:
+batch of samples; no cache).  Sparse policies need the interfaces declared in
+`msakit.models.interface`:
 
-- ``model.set_attention_mode("dense" | "sparse")``;
-- ``model.set_selection_policy(fn | None)`` with ``fn(layer_idx, q, k, q_idx, k_idx, sel) ->
-  block_idx`` (`msakit.eval.policies`).
+- a `SparseModel` (``attention_mode``, ``set_attention_mode("dense" | "sparse")``,
+  ``has_indexer``) runs ``msa`` when it has an indexer, with its own selection settings
+  (recorded as ``"selection": "model"`` in the results);
+- a `SelectionModel` (+ ``set_selection_policy(fn | None)`` with ``fn(layer_idx, q, k, q_idx,
+  k_idx, sel) -> block_idx``, `msakit.eval.policies`) runs every policy at the run's budget
+  (``msa`` only with ``has_indexer``).
 
 Policy names: ``dense`` (full context), ``last<N>`` (dense on the last N tokens only, e.g.
-``last1024``), and the sparse policies ``msa``, ``window``, ``window0``, ``oracle`` at the run's
-budget.  A model without ``set_selection_policy`` runs ``msa`` with its own selection settings
-(recorded as ``"selection": "model"`` in the results).
+``last1024``), and the sparse policies ``msa``, ``window``, ``window0``, ``oracle``.
 
 Each finished batch appends one JSON line per sample to ``results.jsonl`` (flushed and synced);
 a rerun into the same folder skips the samples already there.  ``settings.json`` keeps what
@@ -32,8 +34,21 @@ import torch
 from msakit.eval.documents import long_documents
 from msakit.eval.policies import POLICY_NAMES, make_policy
 from msakit.eval.report import write_report
-from msakit.eval.scoring import answer_scores, bucket_edges, bucket_sums, model_logits, token_nll
-from msakit.eval.tasks import RETRIEVAL_TASKS, TASK_VERSION, TokenPieces, encoder, make_sample
+from msakit.eval.scoring import (
+    answer_scores,
+    bucket_edges,
+    bucket_sums,
+    model_logits,
+    token_nll,
+)
+from msakit.eval.tasks import (
+    RETRIEVAL_TASKS,
+    TASK_VERSION,
+    TokenPieces,
+    encoder,
+    make_sample,
+)
+from msakit.models.interface import SelectionModel, SparseModel
 from msakit.ops.index_topk import Selection
 
 __all__ = ["EvalConfig", "TASKS", "check_model", "configure_model", "parse_policy", "read_records", "run_eval"]
@@ -144,44 +159,43 @@ def _append(path: Path, records: Iterable[dict[str, Any]]) -> None:
         os.fsync(fh.fileno())
 
 
+def _check_policy(model: Any, policy: str) -> str:
+    """The kind of `policy`; ValueError when `model` cannot run it."""
+    kind, _ = parse_policy(policy)
+    if kind in ("dense", "last"):
+        return kind
+    if not isinstance(model, SparseModel):
+        raise ValueError(f"policy {policy!r} needs a model with sparse attention (msakit.models.interface."
+                         f"SparseModel); {type(model).__name__} is not one: convert it to MSA first")
+    if kind != "msa" and not isinstance(model, SelectionModel):
+        raise ValueError(f"policy {policy!r} needs model.set_selection_policy (msakit.models.interface."
+                         f"SelectionModel), which {type(model).__name__} lacks")
+    if kind == "msa" and not model.has_indexer:
+        raise ValueError(f"policy 'msa' needs an index branch, which {type(model).__name__} has not: "
+                         "convert the model to MSA first")
+    return kind
+
+
 def check_model(model: Any, policies: Sequence[str]) -> None:
     """ValueError when `model` cannot run one of `policies` (checked before any work starts)."""
     for policy in policies:
-        kind, _ = parse_policy(policy)
-        if kind in ("dense", "last"):
-            continue
-        if getattr(model, "set_attention_mode", None) is None:
-            raise ValueError(f"policy {policy!r} needs a model with sparse attention (set_attention_mode); "
-                             f"{type(model).__name__} has none: convert it to MSA first")
-        if kind != "msa" and getattr(model, "set_selection_policy", None) is None:
-            raise ValueError(f"policy {policy!r} needs model.set_selection_policy, which {type(model).__name__} lacks")
-        if kind == "msa" and not getattr(model, "has_indexer", True):
-            raise ValueError(f"policy 'msa' needs an index branch, which {type(model).__name__} has not: "
-                             "convert the model to MSA first")
+        _check_policy(model, policy)
 
 
 def configure_model(model: Any, policy: str, budget: Selection) -> str:
     """Put `model` in the attention mode and selection of `policy`; returns where the selection
     comes from ("none" for dense, "policy", or "model" for msa on a model without the hook)."""
-    kind, _ = parse_policy(policy)
-    set_mode = getattr(model, "set_attention_mode", None)
-    set_policy = getattr(model, "set_selection_policy", None)
+    kind = _check_policy(model, policy)
     if kind in ("dense", "last"):
-        if set_mode is not None:
-            set_mode("dense")
-        if set_policy is not None:
-            set_policy(None)
+        if isinstance(model, SparseModel):
+            model.set_attention_mode("dense")
+        if isinstance(model, SelectionModel):
+            model.set_selection_policy(None)
         return "none"
-    if set_mode is None:
-        raise ValueError(f"policy {policy!r} needs a model with sparse attention (set_attention_mode); "
-                         f"{type(model).__name__} has none: convert it to MSA first")
-    if set_policy is None:
-        if kind != "msa":
-            raise ValueError(f"policy {policy!r} needs model.set_selection_policy, which {type(model).__name__} lacks")
-        set_mode("sparse")
+    model.set_attention_mode("sparse")
+    if not isinstance(model, SelectionModel):
         return "model"
-    set_mode("sparse")
-    set_policy(make_policy(kind, budget))
+    model.set_selection_policy(make_policy(kind, budget))
     return "policy"
 
 
@@ -223,8 +237,8 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate `model` under every policy of `cfg`, appending to OUT/results.jsonl, then write
     the report (summary.json, table.md, plot.png).  Returns the summary."""
+    # tqdm is an optional dependency (msakit[train]): imported when an evaluation runs
     from tqdm.auto import tqdm
-
 
     log = log or (lambda s: None)
     check_model(model, cfg.policies)

@@ -1,7 +1,10 @@
-"""M3-style models: `M3Config` (HF config.json in and out, presets), `M3ForCausalLM`, safetensors
-I/O under the HF MiniMax-M3 names, and dense -> MSA conversion.
+"""Models: `M3Config` (HF config.json in and out, presets), `M3ForCausalLM`, safetensors I/O under
+the HF MiniMax-M3 names, the declared model interface, and dense -> MSA conversion.
 
-Interface shared with training (`msakit.train`) and speculative decoding (`msakit.speculative`)::
+- `msakit.models.interface`: what training, evaluation, generation and speculative decoding may
+  call on a model (`SparseModel` < `SelectionModel` < `MSAModel`), `M3Output` and the forward
+  contract's shared pieces (documents, positions, LM loss, output assembly);
+- `msakit.models.modeling`: `M3ForCausalLM`, an `MSAModel`::
 
     cfg = M3Config.preset("tiny")            # "small", "minimax-m3", "minimax-m3.1-flash"; M3Config.from_pretrained(path)
     model = M3ForCausalLM(cfg)               # initialised in __init__ (model.reset_parameters() again)
@@ -15,12 +18,17 @@ Interface shared with training (`msakit.train`) and speculative decoding (`msaki
     model.set_attention_mode("dense" | "sparse")
     model.update_routing_bias(out.expert_load, rate=1e-3)
     model.save_pretrained(dir); M3ForCausalLM.from_pretrained(dir, device=None, dtype=None)
-    model.generate(input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, streamer=None)
     out = model(new_ids, cache=cache, taps=None, logits_to_keep=0)   # decoding: a msakit.cache.KVCacheProtocol
                                              # (new positions written, attention over what it holds); out.taps
 
-Conversion: `convert_dense_to_msa(model_or_path, ...)` and `load_for_conversion(path)` in
-`msakit.models.convert` (imported lazily: it needs `transformers` only for HF models).
+- `msakit.models.convert`: `convert_dense_to_msa(model_or_path, ...)`, `load_for_conversion(path)`,
+  `init_index_from_qk(model)`;
+- `msakit.models.hf`: MSA on HF causal LMs (`MSAWrappedModel`, an `MSAModel`), family-agnostic;
+- `msakit.models.adapters`: one adapter per HF family (where the attention lives, its shape,
+  the q/k projections, unsupported variants) and their registry;
+- `msakit.models.hooks`: attaching msakit to modules it did not build (state, class swaps,
+  keyed hooks, the one transformers attention function) -- used by `hf`, evaluation policies
+  and QAT.
 
 Config I/O (`read_config_json`, `write_config_json`, `load_config_file` and the field readers
 `get_field`, `get_int_field`, `check_fixed_fields`, `get_rotary_dim`) is defined in the
@@ -31,7 +39,10 @@ from msakit import config_io
 from msakit.config_io import (check_fixed_fields, get_field, get_int_field, get_rotary_dim, load_config_file,
                               read_config_json, write_config_json)
 from msakit.models.config import M3_MODEL_TYPES, PRESETS, M3Config
-from msakit.models.modeling import M3DecoderLayer, M3ForCausalLM, M3Model, M3Output, parameter_counts
+from msakit.models.convert import convert_dense_to_msa, load_for_conversion
+from msakit.models.hf import MSAWrappedModel
+from msakit.models.interface import M3Output, MSAModel, SelectionModel, SparseModel
+from msakit.models.modeling import M3DecoderLayer, M3ForCausalLM, M3Model, parameter_counts
 
 __all__ = [
     "M3Config",
@@ -39,18 +50,15 @@ __all__ = [
     "M3Model",
     "M3DecoderLayer",
     "M3Output",
+    "MSAModel",
+    "SelectionModel",
+    "SparseModel",
     "PRESETS",
     "M3_MODEL_TYPES",
     "parameter_counts",
     *config_io.__all__,
     "convert_dense_to_msa",
     "load_for_conversion",
+    "MSAWrappedModel",
 ]
 
-
-def __getattr__(name: str):
-    if name in ("convert_dense_to_msa", "load_for_conversion", "MSAWrappedModel"):
-        from msakit.models import convert
-
-        return getattr(convert, name)
-    raise AttributeError(f"module 'msakit.models' has no attribute {name!r}")

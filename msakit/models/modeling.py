@@ -28,104 +28,29 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from msakit.cache.base import KVCacheProtocol
 from msakit.models.config import M3Config
+from msakit.models.interface import (M3Output, SelectionPolicy, begin_forward, check_kl_tokens, check_mode,
+                                     check_policy, end_forward, index_parameters)
 from msakit.models.io import load_pretrained, save_pretrained
-from msakit.nn.attention import INDEX_MODULES, KL_TOKENS, MODES, MSAAttention, MSAConfig
+from msakit.nn.attention import MSAAttention, MSAConfig
 from msakit.nn.mlp import SwiGLUMLP
 from msakit.nn.moe import MoE
 from msakit.nn.norm import GemmaRMSNorm
 
 __all__ = [
-    "M3Output",
     "M3DecoderLayer",
     "M3Model",
     "M3ForCausalLM",
-    "document_segments",
-    "index_parameters",
-    "segment_positions",
-    "lm_loss",
+    "msa_config",
     "parameter_counts",
 ]
-
-
-@dataclass
-class M3Output:
-    """What `M3ForCausalLM.forward` returns (see the API contract in the package docstring)."""
-
-    logits: torch.Tensor
-    loss: torch.Tensor | None = None
-    kl: torch.Tensor | None = None
-    expert_load: torch.Tensor | None = None
-    attn_inputs: list[dict[str, Any]] | None = None
-    hidden_states: list[torch.Tensor] | None = None
-    taps: torch.Tensor | None = None
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared pieces (also used by msakit.models.convert's wrapper of HF models)
-# ---------------------------------------------------------------------------------------------
-
-
-def document_segments(cu_seqlens: torch.Tensor | Sequence[int] | None, B: int, T: int) -> list[tuple[int, int]]:
-    """[(start, end)] of the documents of a packed batch ([(0, T)] without cu_seqlens)."""
-    if cu_seqlens is None:
-        return [(0, T)]
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        cu = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        cu = [int(x) for x in cu_seqlens]
-    if B != 1:
-        raise ValueError(f"cu_seqlens needs a packed batch with B == 1, got B={B}")
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to T={T} (one entry per document boundary), got {cu[:8]}"
-                         f"{'...' if len(cu) > 8 else ''}")
-    return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
-
-
-def segment_positions(segments: Sequence[tuple[int, int]], T: int, device: torch.device) -> torch.Tensor:
-    """Positions [1, T] restarting at 0 at each document start."""
-    pos = torch.arange(T, device=device)
-    if len(segments) > 1:
-        starts = torch.zeros(T, dtype=torch.long, device=device)
-        for s, _ in segments:
-            starts[s:] = s
-        pos = pos - starts
-    return pos.unsqueeze(0)
-
-
-def lm_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    segments: Sequence[tuple[int, int]] | None = None,
-    ignore_index: int = -100,
-) -> torch.Tensor:
-    """Mean next-token cross-entropy (float32): logits[:, i] predicts labels[:, i + 1].
-
-    Targets equal to `ignore_index` and targets at document starts (after the first) are skipped.
-    With no target left the loss is 0 (still attached to the graph).
-    """
-    if labels.shape != logits.shape[:2]:
-        raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-    tgt = labels[:, 1:]
-    if segments is not None and len(segments) > 1:
-        tgt = tgt.clone()
-        for s, _ in segments[1:]:
-            tgt[:, s - 1] = ignore_index
-    lg = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    tgt = tgt.reshape(-1)
-    total = F.cross_entropy(lg, tgt, ignore_index=ignore_index, reduction="sum")
-    return total / (tgt != ignore_index).sum().clamp_min(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,21 +124,15 @@ class M3Model(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def index_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of every index-branch parameter of `model` (modules named as
-    `INDEX_MODULES` under an attention module), in named_parameters() order."""
-    return [(n, p) for n, p in model.named_parameters() if any(f".{m}." in f".{n}" for m in INDEX_MODULES)]
-
-
 class M3ForCausalLM(nn.Module):
-    """The causal LM.  See the package docstring (`msakit.models`) for the interface."""
+    """The causal LM; an `msakit.models.interface.MSAModel` (see the package docstring
+    `msakit.models` for the interface)."""
 
     def __init__(self, config: M3Config, *, mode: str = "sparse", init: bool = True) -> None:
         super().__init__()
         if not isinstance(config, M3Config):
             raise ValueError(f"config must be an M3Config, got {type(config).__name__}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_mode(mode)
         self.config = config
         self.model = M3Model(config, mode)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -235,13 +154,17 @@ class M3ForCausalLM(nn.Module):
         return [l.block_sparse_moe for l in self.model.layers if l.is_moe]
 
     @property
+    def has_indexer(self) -> bool:
+        """Whether any layer has an index branch (selects its own blocks)."""
+        return any(l.self_attn.index_branch for l in self.model.layers)
+
+    @property
     def attention_mode(self) -> str:
         return self._mode
 
     def set_attention_mode(self, mode: str) -> None:
         """"dense" (warm-up: full attention, the indexer still learns) or "sparse", for all MSA layers."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_mode(mode)
         for attn in self.msa_layers():
             attn.mode = mode
         self._mode = mode
@@ -249,8 +172,7 @@ class M3ForCausalLM(nn.Module):
     def set_kl_tokens(self, tokens: str) -> None:
         """The index KL over the "selected" tokens (default) or over "all" causal tokens, for all
         MSA layers (`MSAConfig.kl_tokens`)."""
-        if tokens not in KL_TOKENS:
-            raise ValueError(f"tokens must be one of {KL_TOKENS}, got {tokens!r}")
+        check_kl_tokens(tokens)
         for attn in self.msa_layers():
             attn.cfg = dataclasses.replace(attn.cfg, kl_tokens=tokens)
 
@@ -259,13 +181,12 @@ class M3ForCausalLM(nn.Module):
         index-only warm-up trains."""
         return index_parameters(self)
 
-    def set_selection_policy(self, policy: Callable[..., torch.Tensor] | None) -> None:
+    def set_selection_policy(self, policy: SelectionPolicy | None) -> None:
         """Replace the indexer's selection in every MSA layer's full-sequence forward (evaluation):
         policy(layer_idx, q [B,T,Hq,D], k [B,T,G,D], q_idx, k_idx, sel) -> block_idx int32
         [B, G, T, K] in blocks of sel.block_size (sel: the layer's `Selection`); None restores the indexer.  Decoding with a cache
         always uses the indexer."""
-        if policy is not None and not callable(policy):
-            raise ValueError(f"policy must be callable or None, got {type(policy).__name__}")
+        check_policy(policy)
         for attn in self.msa_layers():
             attn.selection_policy = policy
 
@@ -328,20 +249,8 @@ class M3ForCausalLM(nn.Module):
         T tokens are new positions (`cache.positions` unless `positions` is given): every layer
         writes their keys into the cache and attends what it holds; no KL, no expert load, no
         attention inputs, no packed batches."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape [B, T], got {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
-        if cache is not None:
-            if cu_seqlens is not None or return_attn_inputs:
-                raise ValueError("cache: cu_seqlens and return_attn_inputs are for full-sequence forwards only")
-            segments = None
-            compute_kl = False
-            placed = cache.begin(B, T, input_ids.device)
-            positions = placed if positions is None else positions
-        else:
-            segments = document_segments(cu_seqlens, B, T)
-            if positions is None and len(segments) > 1:
-                positions = segment_positions(segments, T, input_ids.device)
+        call = begin_forward(input_ids, labels, positions, cu_seqlens, compute_kl, return_attn_inputs, cache,
+                             logits_to_keep)
         want = {} if taps is None else {int(t): i for i, t in enumerate(taps)}
         if any(not 0 <= t < len(self.model.layers) for t in want):
             raise ValueError(f"taps must lie in [0, {len(self.model.layers)}), got {list(taps)}")
@@ -353,34 +262,23 @@ class M3ForCausalLM(nn.Module):
         tapped: list[torch.Tensor | None] = [None] * len(want)
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(self.model.layers):
-            if ckpt:
-                h, kl, load, inp = checkpoint(layer, h, positions, None, segments, compute_kl, return_attn_inputs,
-                                              use_reentrant=False)
-            else:
-                h, kl, load, inp = layer(h, positions, cache, segments, compute_kl, return_attn_inputs)
+            args = (h, call.positions, cache, call.segments, call.compute_kl, call.want_inputs)
+            h, kl, load, inp = checkpoint(layer, *args, use_reentrant=False) if ckpt else layer(*args)
             if kl is not None:
                 kls.append(kl)
             if load is not None and cache is None:
                 loads.append(load)
-            if return_attn_inputs:
-                inputs.append(inp)
+            inputs.append(inp)
             if hidden is not None:
                 hidden.append(h)
             if i in want:
                 tapped[want[i]] = h
-        if cache is not None:
-            cache.end()
+        T = call.T
         hk = h[:, -logits_to_keep:] if 0 < logits_to_keep < T else h
         logits = self.lm_head(self.model.norm(hk))
-        tap = torch.cat(tapped, dim=-1) if tapped else None
-        if cache is not None:
-            return M3Output(logits=logits, hidden_states=hidden, taps=tap)
-        kl_total = torch.stack([x.float() for x in kls]).sum() if kls else torch.zeros((), device=h.device)
-        E = self.config.num_local_experts
-        expert_load = torch.stack(loads) if loads else torch.zeros(0, E, device=h.device)
-        loss = lm_loss(logits, labels, segments) if labels is not None else None
-        return M3Output(logits=logits, loss=loss, kl=kl_total, expert_load=expert_load,
-                        attn_inputs=inputs if return_attn_inputs else None, hidden_states=hidden, taps=tap)
+        expert_load = torch.stack(loads) if loads else torch.zeros(0, self.config.num_local_experts, device=h.device)
+        return end_forward(call, logits, labels=labels, kls=kls, expert_load=expert_load, attn_inputs=inputs,
+                           hidden_states=hidden, taps=torch.cat(tapped, dim=-1) if tapped else None)
 
     # -- routing balance ---------------------------------------------------------------------
     @torch.no_grad()

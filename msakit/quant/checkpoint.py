@@ -46,10 +46,11 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from msakit.version import __version__
 from msakit.config_io import read_config_json
-from msakit.models import M3Config, M3ForCausalLM
+from msakit.models.config import M3Config
 from msakit.models.io import copy_tensors, hf_state_items, save_tensors, split_stacked
+from msakit.models.modeling import M3ForCausalLM
+from msakit.version import __version__
 
 from .formats import E8M0_DTYPE, mxfp8_quantize
 from .linear import (
@@ -62,8 +63,14 @@ from .linear import (
     pack_weight,
     unpack_weight,
 )
-from .plan import module_formats, module_kind, plan_from_quant_config, plan_to_quant_config, quantization_plan
-from .qat import prepare_qat
+from .plan import (
+    module_formats,
+    module_kind,
+    plan_from_quant_config,
+    plan_to_quant_config,
+    quantization_plan,
+)
+from .qat import prepare_qat, qat_state
 
 __all__ = [
     "ScaleReport",
@@ -87,7 +94,7 @@ _FREEZE = ("auto", "all", "none")
 
 
 def _model_plan(model: nn.Module, plan: Mapping[str, str] | None) -> dict[str, str]:
-    st = getattr(model, "_msakit_qat", None)
+    st = qat_state(model)
     if st is not None:
         if plan is not None and dict(plan) != st.plan:
             raise ValueError("a QAT-prepared model is saved with its own plan; do not pass another one")
@@ -114,7 +121,7 @@ def quantized_state_items(model: nn.Module, plan: Mapping[str, str] | None = Non
     stored tensors; full-precision (or QAT-prepared) modules are quantized by the plan here (a
     QAT model with its frozen scales and scale rule); stacked experts are split per expert."""
     plan = _model_plan(model, plan)
-    st = getattr(model, "_msakit_qat", None)
+    st = qat_state(model)
     rule = st.config.scale_rule if st is not None else "rceil"
     backend = st.config.backend if st is not None else "auto"
     frozen = st.frozen if st is not None else {}
@@ -168,7 +175,6 @@ def save_quantized(model: nn.Module, path: str | Any, plan: Mapping[str, str] | 
                    max_shard_size: int | str = "5GB") -> Path:
     """Write config.json (with ``quantization_config``), hf_quant_config.json and the
     safetensors shards of `model` in the ModelOpt MIXED_PRECISION layout; returns the folder."""
-
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "to_dict"):
         raise ValueError("save_quantized needs an M3ForCausalLM-like model (with .config)")
@@ -256,7 +262,6 @@ def _packed_skeleton(model: nn.Module, plan: Mapping[str, str], dtype: torch.dty
 def _target_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor to copy into) for a skeleton model: views of the stacked buffers
     (float expert stacks split by `hf_state_items`, packed ones here)."""
-
     return split_stacked(hf_state_items(model), _PACKED_STACK, "{pre}.{e}.{w}.{s}")
 
 
@@ -287,7 +292,6 @@ def _as_stored(src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _load_tensors(model: nn.Module, folder: Path) -> None:
-
     targets = dict(_target_items(model))
     absent = copy_tensors(folder, targets, what="its quantization_config", check=_check_stored,
                           mismatch="mismatched", optional=lambda name: name.endswith(".input_scale"), convert=_as_stored)
@@ -301,7 +305,6 @@ def load_quantized(path: str | Any, *, device: Any = None, dtype: torch.dtype | 
     inference).  Its plan is ``model.quantization_plan_``; with `check_scales`, the scale
     check's `ScaleReport` is ``model.quant_report`` (else None).  `dtype` is the compute dtype of
     the unquantized parts (default: config.json's torch_dtype, else float32)."""
-
     folder = Path(path)
     raw, qcfg = read_quantization_config(folder)
     try:
@@ -527,8 +530,6 @@ def load_for_qat(path: str | Any, *, device: Any = None, dtype: torch.dtype = to
     freezes every scale (ModelOpt's QAT), "none" re-derives all.  At step 0 the QAT forward uses
     exactly the checkpoint's dequantized weights, and `convert` gives back the checkpoint's
     tensors bit for bit."""
-
-
     if freeze not in _FREEZE:
         raise ValueError(f"freeze must be one of {_FREEZE}, got {freeze!r}")
     packed = load_quantized(path, device=device, mode=mode, check_scales=False, scale_rule=scale_rule, backend=backend)

@@ -18,7 +18,7 @@ Weights are fake-quantized once per optimizer step, not once per micro-batch: ea
 its fake-quantized weight in the compute dtype (bfloat16 under autocast), keyed on the
 parameters' version counters and storage, the compute dtype, a process-wide count of optimizer
 steps (a global `torch.optim` post-step hook, so every optimizer -- fused ones included, which
-do not bump version counters -- invalidates the caches) and `model.qat_step()` (call it after
+do not bump version counters -- invalidates the caches) and `qat_step(model)` (call it after
 updating weights by other means, e.g. through ``.data``).  Gradient checkpointing's recompute
 and evaluation reuse the cache.  CUDA runs the fused Triton kernels (one launch per weight; the
 routed experts of a layer, with one global scale per expert, in one launch per projection);
@@ -30,11 +30,14 @@ index_q/k_proj, shared-expert gate/up): one kernel per input, not per layer.
 Frozen scales: `prepare_qat(..., frozen={entry: scales})` keeps given scales (a loaded
 checkpoint's scales that our rule does not reproduce, see `msakit.quant.checkpoint`) while the
 weights train: only the codes follow the weights.
+
+Attachment goes through `msakit.models.hooks`: each prepared module's class is swapped
+(`swap_class`) and its `_ModuleQAT` attached under "qat.module"; the model holds its `QATState`
+under "qat" and a forward hook under the same key (`qat_state(model)` reads it).
 """
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_opt_hook
 
+from msakit.models.hooks import add_hook, attach, attached, detach, remove_hooks, restore_class, swap_class
 from msakit.nn.moe import GroupedExperts
 
 from .formats import BACKENDS, SCALE_RULES
@@ -68,12 +72,16 @@ __all__ = [
     "qat_step",
     "qat_stats",
     "is_qat",
+    "module_qat",
+    "qat_state",
     "remove_qat",
     "convert",
     "module_frozen_scales",
     "capture_weight_refresh",
 ]
 
+QAT_KEY = "qat"  # `msakit.models.hooks` key of the model's QATState and its forward hook
+MODULE_KEY = "qat.module"  # `msakit.models.hooks` key of a prepared module's _ModuleQAT
 _OPT_STEPS = [0]
 _HOOK: list[Any] = []
 
@@ -96,7 +104,7 @@ class QATConfig:
 
 @dataclass
 class QATState:
-    """What `prepare_qat` attaches to the model (``model._msakit_qat``)."""
+    """What `prepare_qat` attaches to the model (`qat_state(model)`)."""
 
     plan: dict[str, str]
     config: QATConfig
@@ -257,8 +265,8 @@ def capture_weight_refresh(model: nn.Module, dtype: torch.dtype = torch.bfloat16
     st = _state(model)
     members = []
     for mod in model.modules():
-        q = getattr(mod, "_qat", None)
-        if isinstance(q, _ModuleQAT) and not q.frozen and not isinstance(mod, QATEmbedding):
+        q = module_qat(mod)
+        if q is not None and not q.frozen and not isinstance(mod, QATEmbedding):
             members.append((q, mod))
     if not members:
         return 0
@@ -281,11 +289,22 @@ def capture_weight_refresh(model: nn.Module, dtype: torch.dtype = torch.bfloat16
     return len(members)
 
 
-class QATLinear(nn.Linear):
+def module_qat(module: nn.Module) -> _ModuleQAT | None:
+    """The QAT data `prepare_qat` attached to one of its modules (None for other modules)."""
+    return attached(module, MODULE_KEY)
+
+
+class _QATModule:
+    """What the QAT classes share: `_qat`, the module's attached QAT data."""
+
+    @property
+    def _qat(self) -> _ModuleQAT:
+        return attached(self, MODULE_KEY)
+
+
+class QATLinear(_QATModule, nn.Linear):
     """nn.Linear whose forward uses the fake-quantized weight (and, for MXFP8, fake-quantized
     inputs).  Same parameters and state_dict as the nn.Linear it was made from."""
-
-    _qat: _ModuleQAT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self._qat
@@ -299,20 +318,16 @@ class QATLinear(nn.Linear):
         return super().extra_repr() + f", qat={self._qat.formats['weight']}, act_quant={self._qat.act}"
 
 
-class QATEmbedding(nn.Embedding):
+class QATEmbedding(_QATModule, nn.Embedding):
     """nn.Embedding looking up rows of the fake-quantized (bf16-rounded) table."""
-
-    _qat: _ModuleQAT
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         (w,) = self._qat.ste(_qat_weights(self), self.weight.dtype)
         return F.embedding(ids, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
 
 
-class QATGroupedExperts(GroupedExperts):
+class QATGroupedExperts(_QATModule, GroupedExperts):
     """Routed experts whose `expert_weights()` are the fake-quantized stacked weights."""
-
-    _qat: _ModuleQAT
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dt = compute_dtype(self.w1.device.type, self.w1.dtype)
@@ -320,16 +335,21 @@ class QATGroupedExperts(GroupedExperts):
 
 
 _QAT_CLASSES = {nn.Linear: QATLinear, nn.Embedding: QATEmbedding, GroupedExperts: QATGroupedExperts}
-_BASE = {v: k for k, v in _QAT_CLASSES.items()}
+
+
+def qat_state(model: nn.Module) -> QATState | None:
+    """What `prepare_qat` attached to `model` (None when it is not prepared)."""
+    st = attached(model, QAT_KEY)
+    return st if isinstance(st, QATState) else None
 
 
 def is_qat(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "_msakit_qat", None), QATState)
+    return qat_state(model) is not None
 
 
 def _state(model: nn.Module) -> QATState:
-    st = getattr(model, "_msakit_qat", None)
-    if not isinstance(st, QATState):
+    st = qat_state(model)
+    if st is None:
         raise ValueError("model is not prepared for QAT (call prepare_qat first)")
     return st
 
@@ -442,7 +462,8 @@ def prepare_qat(
     objects, so an existing optimizer keeps working) and return it.
 
     plan: {HF module name: fmt} (default `quantization_plan(model, recipe)`); frozen: scales to
-    keep by plan entry (see `module_frozen_scales`).  Adds ``model.qat_step()``."""
+    keep by plan entry (see `module_frozen_scales`).  `qat_step(model)` invalidates its weight
+    caches by hand."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     if is_qat(model):
@@ -476,27 +497,21 @@ def prepare_qat(
         if base is None:
             raise ValueError(f"{mod_name}: cannot prepare a {type(m).__name__} for QAT (expected nn.Linear, "
                              "nn.Embedding or GroupedExperts)")
-        m.__class__ = qat_cls
-        m._qat = _ModuleQAT(state, dict(pf), frozen_m.get(mod_name), act, mod_name)
+        swap_class(m, qat_cls)
+        attach(m, MODULE_KEY, _ModuleQAT(state, dict(pf), frozen_m.get(mod_name), act, mod_name))
     _ensure_optimizer_hook()
-    model.register_forward_hook(state.clear_slot)
-    model._msakit_qat = state
-    model.qat_step = functools.partial(qat_step, model)
+    add_hook(model, QAT_KEY, state.clear_slot)
+    attach(model, QAT_KEY, state)
     return model
 
 
 def _unwrap(model: nn.Module) -> QATState:
     state = _state(model)
     for m in model.modules():
-        if type(m) in _BASE:
-            m.__class__ = _BASE[type(m)]
-            del m._qat
-    for k, h in list(model._forward_hooks.items()):  # our slot-clearing hook (also in deep copies)
-        if getattr(h, "__self__", None) is state:
-            del model._forward_hooks[k]
-    del model._msakit_qat
-    if "qat_step" in model.__dict__:
-        del model.__dict__["qat_step"]
+        if detach(m, MODULE_KEY) is not None:
+            restore_class(m)
+    remove_hooks(model, QAT_KEY)
+    detach(model, QAT_KEY)
     return state
 
 

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from msakit.models.convert import HF_MODEL_TYPES, load_for_conversion
+from msakit.models.adapters import MSA_PREFIX, find_family
+from msakit.models.convert import load_for_conversion
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.tokenizer import Tokenizer
 from msakit.train.trainer import SHARDED_DIR
@@ -121,8 +122,9 @@ def folder_kind(folder: Path) -> str:
     text = raw.get("text_config", raw)
     if isinstance(text, dict) and any(str(k).startswith("dspark_") for k in text):
         return "drafter"
-    if raw.get("model_type") in HF_MODEL_TYPES:  # a saved MSA model says "msakit_<family>"
-        return "hf-dense"
+    mt = raw.get("model_type")
+    if isinstance(mt, str) and not mt.startswith(MSA_PREFIX) and find_family(mt) is not None:
+        return "hf-dense"  # a saved MSA model says "msakit_<family>"
     return "model"
 
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from msakit import ops
-from msakit.models.convert import MSAWrappedModel
+from msakit.models.hf import MSAWrappedModel
 from msakit.nn.attention import MSAAttention
 from msakit.ops.index_topk import attention_block_mass, rank_blocks
 

@@ -52,6 +52,7 @@ from msakit.distributed.checkpoint import is_sharded_checkpoint, load_sharded, s
 from msakit.distributed.fsdp import allreduce_gradients, full_norm, shard_model, sync_expert_load
 from msakit.distributed.launch import rank_seed
 from msakit.distributed.step import loss_shares, reduce_sum, set_attention_context
+from msakit.models.interface import MSAModel
 from msakit.models.modeling import M3DecoderLayer
 from msakit.nn.attention import KL_TOKENS
 from msakit.ops.dispatch import triton_available
@@ -335,7 +336,6 @@ class Trainer:
         self.tokens_seen = 0
         seed = cfg.seed
         if parallel is not None:  # per-rank randomness; weights and data order use cfg.seed on every rank
-
             seed = rank_seed(cfg.seed, parallel.env.rank)
         torch.manual_seed(seed)
 
@@ -343,15 +343,15 @@ class Trainer:
         """Apply kl_tokens and, for train="index", freeze everything but the index branches;
         returns the index parameters' names (empty when the model has none to name)."""
         cfg = self.cfg
-        if hasattr(model, "set_kl_tokens"):
-            model.set_kl_tokens(cfg.kl_tokens)
-        elif cfg.kl_tokens != "selected":
-            raise ValueError(f"kl_tokens={cfg.kl_tokens!r}: {type(model).__name__} has no set_kl_tokens")
-        if not hasattr(model, "index_parameters"):
+        if not isinstance(model, MSAModel):  # a plain torch model: the LM loss only
+            if cfg.kl_tokens != "selected":
+                raise ValueError(f"kl_tokens={cfg.kl_tokens!r}: {type(model).__name__} is not an MSA model "
+                                 "(msakit.models.interface.MSAModel: no set_kl_tokens)")
             if cfg.train == "index" or cfg.index_lr is not None:
                 raise ValueError(f"{type(model).__name__} has no index_parameters(): cannot train its index branch "
                                  "alone or give it its own learning rate")
             return set()
+        model.set_kl_tokens(cfg.kl_tokens)
         names = {n for n, _ in model.index_parameters()}
         if (cfg.train == "index" or cfg.index_lr is not None) and not names:
             raise ValueError("the model has no index-branch parameters (no MSA layer)")

@@ -13,7 +13,7 @@ from spawn_ranks import check_result, rank_check
 
 from msakit.distributed import ContextParallel, GatherSequence, chunk_layout, comm_bytes_per_layer
 from msakit.cache import HeldKeys
-from msakit.models.modeling import document_segments
+from msakit.models.interface import document_segments
 from msakit.nn.core import attend
 from msakit.ops.index_topk import Selection
 

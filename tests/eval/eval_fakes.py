@@ -33,8 +33,11 @@ def tiny_tokenizer(vocab_size: int = 360):
 class PolicyModel(nn.Module):
     """Embedding -> one GQA attention layer (Hq=4, G=2, D=8, index dim 8) -> logits [B, T, V].
 
-    ``set_attention_mode`` / ``set_selection_policy`` follow the hook the eval expects; every
-    forward and every policy call are counted."""
+    It declares `msakit.models.interface.SelectionModel` (``has_indexer``, ``attention_mode``,
+    ``set_attention_mode``, ``set_selection_policy``), the hook the eval expects; every forward
+    and every policy call are counted."""
+
+    has_indexer = True  # q_idx / k_idx: the msa policy runs
 
     def __init__(self, vocab: int, block_size: int = 16, topk: int = 2, seed: int = 0) -> None:
         super().__init__()
@@ -52,6 +55,10 @@ class PolicyModel(nn.Module):
         self.policy = None
         self.forwards = 0
         self.policy_calls: list[tuple[int, tuple[int, ...]]] = []
+
+    @property
+    def attention_mode(self) -> str:
+        return self.mode
 
     def set_attention_mode(self, mode: str) -> None:
         if mode not in ("dense", "sparse"):

@@ -10,7 +10,8 @@ import torch
 
 from msakit.generate import generate
 from msakit.models import M3Config, M3ForCausalLM
-from msakit.models.convert import MSAWrappedModel, convert_dense_to_msa, load_for_conversion
+from msakit.models.convert import convert_dense_to_msa, load_for_conversion
+from msakit.models.hf import MSAWrappedModel
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,14 +12,9 @@ import torch
 
 from msakit.cache import KVCache
 from msakit.generate import generate
-from msakit.models.convert import (
-    MSAWrappedModel,
-    convert_dense_to_msa,
-    index_parameters,
-    init_index_from_qk,
-    is_msa_folder,
-    load_for_conversion,
-)
+from msakit.models.convert import convert_dense_to_msa, init_index_from_qk, load_for_conversion
+from msakit.models.hf import MSAWrappedModel, is_msa_folder
+from msakit.models.interface import index_parameters
 from msakit.generate import generate_uncached
 
 transformers = pytest.importorskip("transformers")

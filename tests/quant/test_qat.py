@@ -146,7 +146,7 @@ def test_weights_quantized_once_per_step(monkeypatch):
     m.gradient_checkpointing_enable()  # the recompute in backward reuses it too
     m(ids, labels=ids).loss.backward()
     assert len(calls) == 2 * n_tensors
-    m.qat_step()  # explicit invalidation (e.g. after an update through .data)
+    qat_step(m)  # explicit invalidation (e.g. after an update through .data)
     m(ids)
     assert len(calls) == 3 * n_tensors
     with torch.no_grad():

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from msakit.generate import generate
 from msakit.models import M3Config, M3ForCausalLM
 from msakit.quant import convert, load_for_qat, load_quantized, prepare_qat, save_quantized
+from msakit.quant.qat import qat_state
 from msakit.quant.linear import mxfp8_quantize_with_scales, nvfp4_quantize_with_scales, unpack_weight
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -197,7 +198,7 @@ def test_frozen_foreign_scales(trained, tmp_path):
         not torch.equal(after[k_scale], t[k_scale])
     # freeze="all" / "none"
     fa = load_for_qat(foreign, freeze="all")
-    assert len(fa._msakit_qat.frozen) > 0
+    assert len(qat_state(fa).frozen) > 0
     fn = convert(load_for_qat(foreign, freeze="none"))
     assert not torch.equal(fn.model.layers[1].self_attn.q_proj.weight_scale_inv, s_foreign)
 
