@@ -47,8 +47,7 @@ LOG2E = 1.4426950408889634
 # tilings for GPU sweeps: tools/bench/index_kl.py (SWEEP_CONFIGS).
 CONFIGS: dict[str, dict] = {
     "interpret": dict(QT=16, TPP=2, HC=8, num_warps=4, num_stages=1),
-    # sm_90, checked offline with ptxas (Hq/G = 16, D = Di = bs = 128, bf16): main kernel 255
-    # registers, no spills, ~139 KB smem
+    # sm_90 (`tools/bench/index_kl.py`'s ptxas report checks it for spills at the M3 shape)
     "sm90": dict(QT=16, TPP=8, HC=8, num_warps=8, num_stages=2, ST_HC=4, ST_STAGES=3),
     # float32 inputs on the GPU: exact fp32 dots ("ieee", FMA; tf32x3 needs > 227 KB smem) — a
     # correctness path, not a fast one.

@@ -1,10 +1,8 @@
 """`routed_experts` for few (token, slot) pairs in Triton (decoding: a batch of 1-8 tokens).
 
 Meaning: `reference.py`.  At decode a layer's routed experts see a handful of pairs, so each
-projection is a matrix-vector product bound by reading the chosen experts' weights.  A grouped
-GEMM (`torch._grouped_mm`) pays for its general tiling at M ~ 1 (a problem-setup kernel and a
-GEMM over all experts' segments per projection: ~9 us each on an H200) and needs the pairs
-sorted by expert around it; here two kernels read the pairs' expert rows directly:
+projection is a matrix-vector product bound by reading the chosen experts' weights.  Instead of
+a grouped GEMM over expert-sorted pairs, two kernels read the pairs' expert rows directly:
 
 - `_gate_up_kernel`, one program per (pair, BLOCK_I rows of I): gate and up rows of the pair's
   expert times the token's x (float32 sums over H in BLOCK_H steps), each rounded to x's dtype,

@@ -1,5 +1,5 @@
-"""KV-outer block-sparse attention in Triton: forward and backward (Hopper-first; also runs
-under TRITON_INTERPRET=1 on the CPU, which is how the tests run it).
+"""KV-outer block-sparse attention in Triton: forward and backward (also runs under
+TRITON_INTERPRET=1 on the CPU, which is how the tests run it).
 
 Meaning: `reference.py`.  Everything below works on *flat tokens*: q [N, Hq, D], k/v [N, G, D]
 with N = B*T (a batch is B packed documents of length T; a varlen batch gives its documents
@@ -16,81 +16,57 @@ canonicalise each (group, row) selection (drop -1, duplicates and blocks past th
 block; ascending, valid first; slot = position) -> entries (query n, slot s) stably sorted by
 key -> *items*: runs of at most `item_queries` entries of one key.  One program takes one item:
 it loads the key's K and V [block_size, D] once (they stay in shared memory) and loops over
-sub-tiles of q_tile entries x Hq/G heads (64 or 128 rows at M3's 16 heads per group; the next
-sub-tile's Q rows are prefetched into registers while the current one computes, since Triton's
-pipeliner does not overlap an indirect gather).  Items of one key are adjacent in the grid (K/V
-reuse in L2), every item is at most the same work (hot keys are simply more items), and the
-grid is an upper bound (`max_items`; padding items do nothing).
+sub-tiles of q_tile entries x Hq/G heads; the next sub-tile's Q rows are loaded into registers
+while the current one computes (an indirect gather, which Triton's pipeliner does not overlap).
+Items of one key are adjacent in the grid (K/V reuse in L2), every item is at most the same
+work (hot keys are simply more items), and the grid is an upper bound (`max_items`; padding
+items do nothing).
 
 Forward combine:
   every (query, head, slot) gets a partial output normalised by its own softmax sum, in
   q.dtype, plus its own lse_s = m_s + log l_s in fp32.  The partial buffers hold ONE KV group
   and are *entry-major* (`OP` [M_g entries x Hq/G heads, D], `LP` [M_g x Hq/G]; entry = position
-  in the key-sorted work list less the group's first entry), so a sub-tile's rows are contiguous (one 16 KB store, no per-row slot load: the
-  dependent slot load was the hottest stall under ncu); `inv` maps (group, row, slot) to its
-  entry.  A merge kernel forms lse = logsumexp_s lse_s and o = sum_s exp(lse_s - lse) O_s over
-  the row's valid slots (slot s is valid iff s < nvalid(g, n): nothing is pre-filled).
-  Rejected: (a) a stats pass + fp32 atomics into [T, Hq, D]: 1.5x the FLOPs and 16 x 4 B of
-  read-modify-write per output element, each line leaving L2 between its updates under a
-  random selection (~2x the bytes of (b), at atomic throughput); (c) query chunks small enough
-  for their partials to stay in L2 (50 MB = ~190 queries at M3's shape): a key then gets ~1
-  query of a chunk under a random selection, so tiles run ~1/8 full.
-  Predicted cost at M3's shape (Hq=64, G=4, D=128, bs=128, topk=16, bf16), per query: Q
-  gathered 16x (256 KB) + partials written (256 KB) and read back (256 KB) + o (16 KB) =
-  ~0.8 MB of HBM traffic for 67 MFLOP (~85 FLOP/B, under the H200's ~190 FLOP/B ridge): the
-  forward is memory-bound.  At T = 128K: ~103 GB = ~26 ms at 4 TB/s (main kernel ~17 ms,
-  merge ~9 ms) against 8.8 TFLOP = ~14 ms of MMA at 650 TFLOP/s: ~27-32 ms, i.e. ~280-330
-  TFLOP/s effective; the work list (one torch sort per chunk) adds ~0.4 ms per chunk.
-  Memory: the groups run one after another over one partial buffer.  Keys g * N + start sort
-  group by group, so group g's valid entries E_g .. E_{g+1}-1 and its items are contiguous
-  (`_Items.grp_ent`, `grp_item`: device cumsums, no host sync); the main kernel and the merge
-  are launched once per group over them (grid: a host-side bound on the group's items), which
-  shrinks the partials G-fold and moves no extra byte (a key belongs to one group).  The buffer
-  is sized by a host-side bound on one group's valid entries in a chunk (`_entry_bound`: a row
-  at position p has at most min(KS, p // bs + 1) valid slots) and allocated after the first
-  chunk's work list is built (the sort's temporaries are freed by then).  At M3's shape and
-  T = 16K (one chunk): 246,784 entries x 16 heads x (256 + 4) B = 0.96 GiB of partials + ~8 B
-  per entry of the work list (ent_q, inv: 8 MB) = ~0.96 GiB of peak extra memory.  Query chunks
-  of C rows keep one group's partials plus the chunk's work list (48 B per (group, slot) entry)
-  within CHUNK_BYTES (3.25 GiB: 69,632 B per row, C = 47,872 rows at T = 1M, 22 chunks balanced
-  by `chunk_rows_for`): at 1M the partials take 2.97 GiB, and the next chunk's work list while
-  it is built ~0.14 GiB beside them (plus lse itself).  The backward: BWD_CHUNK_BYTES (8 GiB) of
-  one group's dq partials plus the work list (C = 116,736 rows at 1M: 7.1 GiB of dq partials) +
-  fp32 dK/dV (4 GiB at 1M) + 8 B per (token, head) of delta and lse: ~12 GiB at 1M.
+  in the key-sorted work list less the group's first entry), so a sub-tile's rows are
+  contiguous (one store, no per-row slot load); `inv` maps (group, row, slot) to its entry.  A
+  merge kernel forms lse = logsumexp_s lse_s and o = sum_s exp(lse_s - lse) O_s over the row's
+  valid slots (slot s is valid iff s < nvalid(g, n): nothing is pre-filled).
+  Groups one after another: keys g * N + start sort group by group, so group g's valid entries
+  E_g .. E_{g+1}-1 and its items are contiguous (`_Items.grp_ent`, `grp_item`: device cumsums,
+  no host sync); the main kernel and the merge are launched once per group over them (grid: a
+  host-side bound on the group's items) over one partial buffer.  The buffer is sized by a
+  host-side bound on one group's valid entries in a chunk (`_entry_bound`: a row at position p
+  has at most min(KS, p // bs + 1) valid slots) and allocated after the first chunk's work list
+  is built (the sort's temporaries are freed by then).  Query chunks of C rows keep one group's
+  partials plus the chunk's work list (48 B per (group, slot) entry) within CHUNK_BYTES, C
+  balanced over the chunks by `chunk_rows_for`; the backward's chunks keep one group's dq
+  partials within BWD_CHUNK_BYTES.
 
-Backward (dq, dk, dv), over the same kind of items (longer: 512 queries):
+Backward (dq, dk, dv), over the same kind of items (longer: BWD_CONFIG.item_queries):
   a small kernel writes delta = rowsum(dO * O) - dlse and lse * log2(e) token-major [N, Hq];
   per item, K and V stay on chip and dK, dV accumulate in fp32 registers over all sub-tiles,
-  then go to fp32 [N, G, D] buffers with one atomic add per element per item (~4% of the
-  traffic at 256 queries per item; the summation order, hence dK/dV's last bits, is not
-  deterministic); dQ of each (query, head, slot) is written to a per-slot buffer (bf16 for bf16
-  inputs, fp32 otherwise) and a reduce kernel sums the valid slots.  Per sub-tile:
+  then go to fp32 [N, G, D] buffers with one atomic add per element per item (the summation
+  order, hence dK/dV's last bits, is not deterministic); dQ of each (query, head, slot) is
+  written to a per-slot buffer (bf16 for bf16 inputs, fp32 otherwise) and a reduce kernel sums
+  the valid slots.  Per sub-tile:
   S^T = K Q^T, P^T = exp2(S^T scale log2(e) - lse2), dV += P^T dO, dP^T = V dO^T,
-  dS^T = P^T (dP^T - delta), dK += dS^T Q, dQ_slot = dS K (5 MMAs = 2.5x the forward's FLOPs).
-  Traffic per query ~1 MB (Q and dO gathered 16x, dq partials written and read): at 128K
-  ~134 GB = ~33 ms against 22 TFLOP = ~35 ms of MMA, so ~45-60 ms (~370-490 TFLOP/s).
-  Query chunks (BWD_CHUNK_BYTES) split each key's queries, so a key costs one K/V load and
-  one dK/dV atomic flush (~320 KB of traffic) per chunk it is used in: negligible at 128K
-  (2 chunks, ~1,000 queries per key and chunk) and ~+7% traffic at 1M (9 chunks, ~230 queries
-  per key and chunk); the forward pays only the K/V load (~+4% at 1M: ~90 queries per key and
-  chunk).
+  dS^T = P^T (dP^T - delta), dK += dS^T Q, dQ_slot = dS K (5 MMAs).
 
 Inputs: fp16/bf16 on the GPU (fp32 too under the interpreter), block_size and head dim <= 128
-(`kernel_supports`).  Kernel configurations: FWD_CONFIG / BWD_CONFIG (compiled for sm_90 with
-the bundled ptxas: no spills at M3's shape); `tools/bench/sparse_attention.py` times them and
-compiles them without a GPU.  The measurements that chose them, and the variants they were
-chosen over, are in benchmarks/NOTES.md ("Variants removed"); the tunables are listed in
-docs/kernels.md.
+(`kernel_supports`).  Kernel configurations: FWD_CONFIG / BWD_CONFIG; `tools/bench/
+sparse_attention.py` times them and compiles them without a GPU.  docs/kernels.md gives the
+design's cost and memory arithmetic and the measurements; benchmarks/NOTES.md ("Variants
+removed") the variants these configurations were chosen over.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ..dispatch import interpret_mode
 
 __all__ = [
     "KernelConfig",
@@ -105,13 +81,10 @@ __all__ = [
 ]
 
 # Bytes one query chunk may take: ONE KV group's partials (the launchers run the groups one
-# after another over one buffer) plus the chunk's work list, as `chunk_rows_for` counts them.
-# Forward o + lse partials: 3.25 GiB (69,632 B per row at M3's shape: 47,872-row chunks at 1M,
-# 2.97 GiB of partials, which with lse, the selection and a work list being built keeps the 1M
-# forward's peak extra memory under 4 GiB; a 16K forward is one chunk whose partials are sized
-# by its valid entries, 0.96 GiB).  Backward dq partials: 8 GiB (bigger chunks mean fewer items
-# per key, hence fewer K/V loads and dK/dV atomics; the backward also holds fp32 dK/dV
-# accumulators, 8 B per key token and dim).  `chunk_rows=` of the launchers overrides them.
+# after another over one buffer) plus the chunk's work list, as `chunk_rows_for` counts them:
+# the forward's o + lse partials (3.25 GiB) and the backward's dq partials (8 GiB; the backward
+# also holds fp32 dK/dV accumulators, 8 B per key token and dim).  `chunk_rows=` of the
+# launchers overrides them.
 CHUNK_BYTES = 13 << 28
 BWD_CHUNK_BYTES = 8 << 30
 REDUCE_WARPS = 8  # forward slot merge / backward prologue: 64 rows x D per program
@@ -129,10 +102,9 @@ class KernelConfig:
     num_stages: int
 
 
-# The GPU defaults (H200, M3 shape).  Forward: 64-row sub-tiles (4 queries x 16 heads), items of
-# 128 queries, 4 warps, the next sub-tile's Q rows prefetched into registers by hand (Triton's
-# pipeliner does not overlap an indirect gather).  Backward: 32-row sub-tiles, items of 512
-# queries, 8 warps (254 registers, 112 KB of shared memory: 1 CTA per SM).
+# The GPU defaults.  Forward: 64-row sub-tiles (4 queries x 16 heads at M3's 16 heads per
+# group), items of 128 queries, 4 warps.  Backward: 32-row sub-tiles, items of 512 queries,
+# 8 warps.
 FWD_CONFIG = KernelConfig(64, 128, 4, 1)
 BWD_CONFIG = KernelConfig(32, 512, 8, 1)
 # The backward's dq reduce (`_sa_dq_reduce_kernel`): one row x the heads of one group per
@@ -146,10 +118,6 @@ INTERPRET_FWD = KernelConfig(16, 16, 4, 1)
 INTERPRET_BWD = KernelConfig(16, 32, 4, 1)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _next_pow2(x: int) -> int:
     return 1 << (max(1, int(x)) - 1).bit_length()
 
@@ -157,10 +125,10 @@ def _next_pow2(x: int) -> int:
 def kernel_supports(dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device | None = None) -> str | None:
     """None when the kernels take these arguments, else the reason they do not.
 
-    16-bit inputs only on the GPU: fp32 would need an FMA dot (no fp32 tensor cores; TF32 would
-    change the numerics) that spills at these tiles, so fp32 CUDA tensors use the reference.
-    Under the interpreter fp32 runs too (the CPU tests).  K and V of a block stay in shared
-    memory for a whole item, so block_size and the head dim are at most 128 (M3: 128 / 128).
+    16-bit inputs only on the GPU (fp32 CUDA tensors take the chunked PyTorch path: the kernels'
+    tiles are sized for 16-bit tensor-core dots); under the interpreter fp32 runs too (the CPU
+    tests).  K and V of a block stay in shared memory for a whole item, so block_size and the
+    head dim are at most 128 (M3: 128 / 128).
     """
     ok = (torch.float16, torch.bfloat16) if (device is None or device.type == "cuda") else (torch.float16, torch.bfloat16, torch.float32)
     if dtype not in ok:
@@ -309,7 +277,7 @@ def _build_items(
     key = torch.empty(M, dtype=kdt, device=dev)
     nvalid = torch.empty((G, C), dtype=torch.int32, device=dev)
     bk = _next_pow2(K)
-    br = max(1, min(64 if _interpret() else 32, 4096 // (bk * bk)))
+    br = max(1, min(64 if interpret_mode() else 32, 4096 // (bk * bk)))
     has_doc = doc_start is not None
     _wl_canon_kernel[(triton.cdiv(C, br), G)](
         sel, sel.stride(0), sel.stride(1), sel.stride(2), doc_start if has_doc else nvalid, key, nvalid,
@@ -762,7 +730,7 @@ def _reduce_tile(Hq: int, D: int) -> tuple[int, int, int]:
     """(rows, heads, dims) of a merge / prologue program over Hq heads."""
     bd = max(16, _next_pow2(D))
     bh = min(_next_pow2(Hq), 16)
-    bt = max(1, (64 if not _interpret() else 256) // bh)  # the interpreter pays per op, not per element
+    bt = max(1, (64 if not interpret_mode() else 256) // bh)  # the interpreter pays per op, not per element
     return bt, bh, bd
 
 
@@ -774,7 +742,7 @@ def _selection_rows(block_idx: torch.Tensor, geo: _Geom) -> torch.Tensor:
 
 
 def _prec(dtype: torch.dtype) -> tuple[str, bool]:
-    return ("ieee" if dtype == torch.float32 else "tf32"), (_interpret() and dtype != torch.float32)
+    return ("ieee" if dtype == torch.float32 else "tf32"), (interpret_mode() and dtype != torch.float32)
 
 
 class _DeviceGuard:
@@ -792,7 +760,7 @@ class _DeviceGuard:
 
 def _pick(cfg: KernelConfig | None, gpu_cfg: KernelConfig, interp_cfg: KernelConfig) -> KernelConfig:
     if cfg is None:
-        return interp_cfg if _interpret() else gpu_cfg
+        return interp_cfg if interpret_mode() else gpu_cfg
     if not isinstance(cfg, KernelConfig):
         raise ValueError(f"config must be a KernelConfig or None, got {type(cfg).__name__}")
     return cfg
@@ -891,7 +859,7 @@ def sparse_attention_fwd_triton(
                     it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
                     geo.N, n0, qk_scale, g, it.max_items,
                     HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=q_tile,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=interpret_mode(),
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )
                 _fwd_merge(OP, LP, it, o, lse, n0, c, geo, g)
@@ -965,7 +933,7 @@ def sparse_attention_bwd_triton(
                     it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
                     geo.N, n0, float(scale) * 1.4426950408889634, float(scale), g, it.max_items,
                     HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=interpret_mode(),
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )
                 _dq_reduce(DQP, it, dq, n0, c, geo, g)
