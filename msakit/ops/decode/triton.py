@@ -51,7 +51,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.standard import _bitonic_merge_hypercube, _log2  # tl.topk's own building blocks
 
 from ..dispatch import interpret_mode
 
@@ -105,20 +104,55 @@ def _pack(val, blk):
     return (key.to(tl.int64) << 32) | (2147483647 - blk).to(tl.int64)
 
 
+@triton.constexpr_function
+def _log2(n):
+    """log2 of a power of two known at compile time."""
+    return int(n).bit_length() - 1
+
+
+@triton.jit
+def _position_bit(ndim: tl.constexpr, j: tl.constexpr):
+    """Bit j of the flat position in a [2] * ndim hypercube (whose axis ndim - 1 - j is bit j),
+    as a 0 / 1 tensor that broadcasts against it."""
+    return tl.reshape(tl.arange(0, 2), [1] * (ndim - 1 - j) + [2] + [1] * j)
+
+
+@triton.jit
+def _bitonic_merge(h, n_bits: tl.constexpr, order: tl.constexpr):
+    """Sorts every run of 2^n_bits consecutive keys of h, an integer tensor of shape [2] * ndim
+    (a hypercube over the flat positions: axis ndim - 1 - j is bit j), when each run is bitonic:
+    ascending (order 0), descending (1), or run r ascending for even r and descending for odd r
+    (2).  n_bits compare-exchange rounds, between the keys whose positions differ in bit
+    n_bits - 1, then n_bits - 2, ..., 0; a key reads its partner as key ^ (xor over the pair's
+    2-wide axis): one reduction per round."""
+    tl.static_assert(h.dtype.is_int(), "_bitonic_merge sorts integer keys")
+    ndim: tl.constexpr = _log2(h.numel)
+    if order == 2:
+        tl.static_assert(n_bits < ndim, "alternating order needs several runs")
+        desc = _position_bit(ndim, n_bits)
+    else:
+        desc = order
+    for r in tl.static_range(n_bits):  # partners differ in bit j = n_bits - 1 - r (axis ndim - n_bits + r)
+        partner = h ^ tl.xor_sum(h, ndim - n_bits + r, keep_dims=True)
+        wants_high = desc ^ _position_bit(ndim, n_bits - 1 - r)  # this position takes the pair's larger key
+        h = tl.where((h > partner) != wants_high, partner, h)
+    return h
+
+
 @triton.jit
 def _topk_of_sorted_chunks(x, K: tl.constexpr):
-    """Top-K per row of x [R, W] (descending) when every K-chunk of a row is already sorted,
-    ascending for even chunks and descending for odd ones -- the state tl.topk reaches after its
-    first log2(K) bitonic stages, so only its merge-and-halve stages run here (about a third of
-    the work of a full tl.topk for W = 16 K).  Same algorithm and helpers as tl.topk."""
+    """Top-K per row of x [R, W] int64 (descending) when every K-chunk of a row is already
+    sorted, ascending for even chunks and descending for odd ones: log2(W / K) rounds of
+    "max of each chunk pair (a bitonic run holding the pair's top K), then a bitonic merge of
+    the runs" (alternating, the last one descending)."""
     log_n: tl.constexpr = _log2(x.shape[1])
     log_k: tl.constexpr = _log2(K)
     h = tl.reshape(x, [2] * _log2(x.numel))
     if log_k == log_n:  # a single (ascending) chunk: one bitonic merge sorts it descending
-        h = _bitonic_merge_hypercube(h, log_k, 1)
+        h = _bitonic_merge(h, log_k, 1)
     for i in tl.static_range(log_k + 1, log_n + 1):
         h = tl.max(h, axis=(_log2(h.numel) - 1 - log_k))
-        h = _bitonic_merge_hypercube(h, log_k, 2 if i < log_n else 1)
+        h = _bitonic_merge(h, log_k, 2 if i < log_n else 1)
     return tl.reshape(h, [x.shape[0], K])
 
 
