@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_block_attention
 from .index_kl import index_kl_loss
-from .index_topk import check_selection, index_topk
+from .index_topk import index_topk
 from .sparse_attention import sparse_attention
 
 __all__ = ["msa_attention", "sparse_attention_with_kl"]
@@ -41,7 +40,6 @@ def msa_attention(
     selection [B, G, T, topk] (in that order after o).  `cu_seqlens` (packed documents, B = 1),
     `score_dtype` ("fp8" scoring) and `backend` pass through to both ops.
     """
-    check_selection(block_size, topk, local_blocks, init_blocks)
     if q_idx.shape[:3] != k.shape[:3]:
         raise ValueError(f"q_idx must have shape [B, T, G, Di] matching k's {tuple(k.shape[:3])}, got {tuple(q_idx.shape)}")
     with torch.no_grad():
@@ -92,10 +90,9 @@ def sparse_attention_with_kl(
     """
     if over not in ("selected", "all"):
         raise ValueError(f"over must be 'selected' or 'all', got {over!r}")
-    check_block_attention(q, k, v, block_idx, block_size, softmax_scale, cu_seqlens, check_values=validate)
     o, lse = sparse_attention(
         q, k, v, block_idx, block_size=block_size, softmax_scale=softmax_scale, return_lse=True,
-        cu_seqlens=cu_seqlens, backend=backend, validate=False,
+        cu_seqlens=cu_seqlens, backend=backend, validate=validate,
     )
     kl = index_kl_loss(
         q, k, q_idx, k_idx, block_idx, block_size=block_size, softmax_scale=softmax_scale,

@@ -153,8 +153,9 @@ def _work(block_idx, cu_seqlens, block_size: int, q_tile: int):
 
 @triton.jit
 def _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr, NB, T, bsz,
-                   G: tl.constexpr, VARLEN: tl.constexpr):
-    """Tile pid -> (first entry, batch b, group g, first token t0 of its block, token count nj)."""
+                   G: tl.constexpr, VARLEN: tl.constexpr, BS: tl.constexpr):
+    """Tile pid -> (first entry, batch b, group g, first token t0 of its block, token count nj,
+    the block's columns offs_j = 0 .. BS-1, their tokens t0 + offs_j and mask offs_j < nj)."""
     key = tl.load(tile_key_ptr + pid).to(tl.int64)
     e0 = tl.load(tile_start_ptr + pid).to(tl.int64)
     bg = key // NB
@@ -167,7 +168,9 @@ def _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr
     else:
         t0 = blk * bsz
         t1 = tl.minimum(t0 + bsz, T)
-    return e0, b, g, t0, (t1 - t0).to(tl.int32)
+    nj = (t1 - t0).to(tl.int32)
+    offs_j = tl.arange(0, BS)
+    return e0, b, g, t0, nj, offs_j, t0 + offs_j, offs_j < nj
 
 
 @triton.jit
@@ -214,12 +217,9 @@ def _stats_kernel(
     count = tl.load(tile_count_ptr + pid)
     if count == 0:
         return
-    e0, b, g, t0, nj = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr,
-                                      NB, T, bsz, G, VARLEN)
+    e0, b, g, t0, nj, offs_j, tok, jmask = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr,
+                                                          blk_end_ptr, NB, T, bsz, G, VARLEN, BS)
     t0i = t0.to(tl.int32)
-    offs_j = tl.arange(0, BS)
-    tok = t0 + offs_j
-    jmask = offs_j < nj
     offs_q = tl.arange(0, QT)
     offs_di = tl.arange(0, BDI)
     dimask = offs_di < DI
@@ -376,11 +376,8 @@ def _kl_kernel(
     count = tl.load(tile_count_ptr + pid)
     if count == 0:
         return
-    e0, b, g, t0, nj = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr,
-                                      NB, T, bsz, G, VARLEN)
-    offs_j = tl.arange(0, BS)
-    tok = t0 + offs_j
-    jmask = offs_j < nj
+    e0, b, g, t0, nj, offs_j, tok, jmask = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr,
+                                                          blk_end_ptr, NB, T, bsz, G, VARLEN, BS)
     offs_d = tl.arange(0, BD)
     dmask = offs_d < D
     offs_di = tl.arange(0, BDI)

@@ -353,6 +353,34 @@ def _group_item(IT_COUNT, GRP_ENT, GRP_ITEM, grp, max_items):
 
 
 @triton.jit
+def _subtile_rows(ENT_Q, start, count, g, HPG: tl.constexpr, Q_TILE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of a sub-tile (row m: entry m // HPG of the sub-tile, head g * HPG + m % HPG; rows
+    past Q_TILE * HPG unused) and the flat query tokens of the item's first two sub-tiles (the
+    kernels' loops keep the next sub-tile's rows in flight).  Returns (offs_m, r_q, head, m_ok,
+    ok0 (rows of sub-tile 0 holding an entry), n_cur, n_nxt)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    r_q = offs_m // HPG
+    head = g * HPG + offs_m % HPG
+    m_ok = offs_m < Q_TILE * HPG
+    ok0 = m_ok & (r_q < count)
+    n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
+    n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+    return offs_m, r_q, head, m_ok, ok0, n_cur, n_nxt
+
+
+@triton.jit
+def _visible_keys(row_ok, n, tok0, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per row, the last visible column of the key block starting at token tok0: key token
+    tok0 + c is visible to the row's query n iff c <= n - tok0 (causal; this also keeps the key
+    inside n's document and below N) and c < BS; rows that are not valid see nothing (-1).
+    int32."""
+    rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
+    if BS < BLOCK_N:
+        rel = tl.minimum(rel, BS - 1)
+    return rel
+
+
+@triton.jit
 def _needs_causal_mask(row_ok, rel, BLOCK_N: tl.constexpr):
     """Whether a valid row sits inside the key's block (its own, diagonal block) or the block
     is partial: elsewhere every key of the block is visible and the mask can be skipped (~130
@@ -381,15 +409,9 @@ def _sa_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
 
-    offs_m = tl.arange(0, BLOCK_M)
-    r_q = offs_m // HPG
-    head = g * HPG + offs_m % HPG
-    m_ok = offs_m < Q_TILE * HPG
     # software pipeline by hand: the Q rows of sub-tile i+1 and the entries of sub-tile i+2
     # are in flight while sub-tile i computes (an indirect load defeats Triton's pipeliner)
-    ok0 = m_ok & (r_q < count)
-    n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
-    n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+    offs_m, r_q, head, m_ok, ok0, n_cur, n_nxt = _subtile_rows(ENT_Q, start, count, g, HPG, Q_TILE, BLOCK_M)
     q_cur = tl.load(Q + ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
     for sub in range(0, count, Q_TILE):
         qi = sub + r_q
@@ -402,11 +424,7 @@ def _sa_fwd_kernel(
         n_cur = n_nxt
         n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
         s = _mm(qb, tl.trans(kb), PREC, UPCAST) * qk_scale
-        # key token tok0 + c is visible to row (n, h) iff c <= n - tok0 (causal; also keeps the
-        # key inside n's document and below N) and c < BS; invalid rows see nothing (int32 math)
-        rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
-        if BS < BLOCK_N:
-            rel = tl.minimum(rel, BS - 1)
+        rel = _visible_keys(row_ok, n, tok0, BS, BLOCK_N)
         if _needs_causal_mask(row_ok, rel, BLOCK_N):
             s = tl.where(offs_n[None, :] <= rel[:, None], s, float("-inf"))
         m = tl.max(s, axis=1)
@@ -562,14 +580,8 @@ def _sa_bwd_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    r_q = offs_m // HPG
-    head = g * HPG + offs_m % HPG
-    m_ok = offs_m < Q_TILE * HPG
     # the next sub-tile's Q, dO, lse and delta rows are prefetched by hand, as in the forward
-    ok0 = m_ok & (r_q < count)
-    n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
-    n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+    offs_m, r_q, head, m_ok, ok0, n_cur, n_nxt = _subtile_rows(ENT_Q, start, count, g, HPG, Q_TILE, BLOCK_M)
     r0 = ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :]
     q_cur = tl.load(Q + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
     do_cur = tl.load(DO + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
@@ -593,9 +605,7 @@ def _sa_bwd_kernel(
         n_cur = n_nxt
         n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
         sT = _mm(kb, tl.trans(qb), PREC, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
-        rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
-        if BS < BLOCK_N:
-            rel = tl.minimum(rel, BS - 1)
+        rel = _visible_keys(row_ok, n, tok0, BS, BLOCK_N)
         pT = tl.exp2(sT - lse2[None, :])
         if _needs_causal_mask(row_ok, rel, BLOCK_N):
             pT = tl.where(offs_n[:, None] <= rel[None, :], pT, 0.0)
@@ -806,6 +816,55 @@ def _chunks(geo: _Geom, C: int, cu_seqlens) -> list[tuple[int, int, int]]:
     return [(n0, min(C, geo.N - n0), _entry_bound(n0, min(C, geo.N - n0), geo, cu_seqlens)) for n0 in range(0, geo.N, C)]
 
 
+@dataclass
+class _Launch:
+    """What a forward or backward launcher derives from its inputs: the geometry, the kernel
+    config and its tiles, the partials' dtype, the query chunks and the selection rows."""
+
+    geo: _Geom
+    cfg: KernelConfig
+    q_tile: int
+    bm: int
+    bn: int
+    bd: int
+    item_q: int
+    pdt: torch.dtype
+    chunks: list[tuple[int, int, int]]
+    sel: torch.Tensor
+    prec: str
+    upcast: bool
+
+
+def _launch(q, k, block_idx, cu_seqlens, block_size: int, cfg: KernelConfig, pdt: torch.dtype, lse_bytes: int,
+            chunk_rows: int | None, budget: int) -> _Launch:
+    geo = _geom(q, k, block_idx, block_size, cu_seqlens)
+    q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
+    C = _chunk_rows(geo, pdt.itemsize, lse_bytes, chunk_rows, budget)
+    prec, upcast = _prec(q.dtype)
+    return _Launch(geo, cfg, q_tile, bm, bn, bd, item_q, pdt, _chunks(geo, C, cu_seqlens),
+                   _selection_rows(block_idx, geo), prec, upcast)
+
+
+def _run_groups(lp: _Launch, cu_seqlens, with_lse: bool, device, poison: bool, launch_group) -> None:
+    """For each query chunk: its work list (the previous chunk's is released first), then
+    launch_group(items, partial buffers, grid, n0, rows, g) for each KV group g over one set of
+    partial buffers, allocated after the first work list (its sort's temporaries are freed by
+    then); poison: the buffers are NaN-filled before every group but the first (no slot of
+    another group or chunk may be read)."""
+    bufs = it = None
+    for n0, c, ent in lp.chunks:
+        it = None
+        it = _items(lp.sel, n0, c, lp.geo, cu_seqlens, lp.geo.bs, lp.item_q, device)
+        if bufs is None:
+            bufs = _partial_buffers(max(e for _, _, e in lp.chunks), lp.geo, lp.pdt, with_lse, device, poison)
+        grid = (_group_grid(ent, lp.item_q, lp.geo),)
+        for g in range(lp.geo.G):
+            if poison and (g or n0):
+                for buf in bufs:
+                    buf.fill_(float("nan"))
+            launch_group(it, bufs, grid, n0, c, g)
+
+
 def sparse_attention_fwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -828,41 +887,29 @@ def sparse_attention_fwd_triton(
     (default: CHUNK_BYTES of partials); poison: fill the internal partial buffers with NaN
     (tests that unwritten slots are masked).
     """
-    geo = _geom(q, k, block_idx, block_size, cu_seqlens)
-    cfg = _pick(config, FWD_CONFIG, INTERPRET_FWD)
-    q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
+    lp = _launch(q, k, block_idx, cu_seqlens, block_size, _pick(config, FWD_CONFIG, INTERPRET_FWD), q.dtype, 4,
+                 chunk_rows, CHUNK_BYTES)
+    geo, cfg = lp.geo, lp.cfg
     qf, kf, vf = q.contiguous(), k.contiguous(), v.contiguous()
     o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = lse_out if lse_out is not None else torch.empty((geo.B, geo.Hq, geo.T), dtype=torch.float32, device=q.device)
     assert o.is_contiguous() and lse.is_contiguous()
-    pdt = q.dtype
-    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, CHUNK_BYTES)
-    chunks = _chunks(geo, C, cu_seqlens)
-    sel = _selection_rows(block_idx, geo)
     qk_scale = float(scale) * 1.4426950408889634
-    prec, upcast = _prec(qf.dtype)
-    bufs = it = None
+
+    def launch_group(it: _Items, bufs, grid, n0: int, c: int, g: int) -> None:
+        OP, LP = bufs
+        _sa_fwd_kernel[grid](
+            qf, kf, vf, OP, LP,
+            it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
+            geo.N, n0, qk_scale, g, it.max_items,
+            HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=lp.q_tile,
+            BLOCK_M=lp.bm, BLOCK_N=lp.bn, BLOCK_D=lp.bd, PREC=lp.prec, UPCAST=lp.upcast, SKIP_EMPTY=interpret_mode(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _fwd_merge(OP, LP, it, o, lse, n0, c, geo, g)
+
     with _DeviceGuard(q):
-        for n0, c, ent in chunks:
-            it = None  # the previous chunk's work list goes before the next one is built
-            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, q.device)
-            if bufs is None:  # allocated after the first work list: its sort's temporaries are freed
-                bufs = _partial_buffers(max(e for _, _, e in chunks), geo, pdt, True, q.device, poison)
-            OP, LP = bufs
-            grid = (_group_grid(ent, item_q, geo),)
-            for g in range(geo.G):  # one group's items, partials and merge at a time
-                if poison and (g or n0):  # no slot of another group or chunk may be read
-                    OP.fill_(float("nan"))
-                    LP.fill_(float("nan"))
-                _sa_fwd_kernel[grid](
-                    qf, kf, vf, OP, LP,
-                    it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
-                    geo.N, n0, qk_scale, g, it.max_items,
-                    HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=q_tile,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=interpret_mode(),
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                )
-                _fwd_merge(OP, LP, it, o, lse, n0, c, geo, g)
+        _run_groups(lp, cu_seqlens, True, q.device, poison, launch_group)
     return o, lse
 
 
@@ -891,9 +938,10 @@ def sparse_attention_bwd_triton(
     config: a KernelConfig (default BWD_CONFIG, INTERPRET_BWD under the interpreter);
     chunk_rows / poison: as in the forward (default chunk: BWD_CHUNK_BYTES of dq partials).
     """
-    geo = _geom(q, k, block_idx, block_size, cu_seqlens)
-    cfg = _pick(config, BWD_CONFIG, INTERPRET_BWD)
-    q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
+    pdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    lp = _launch(q, k, block_idx, cu_seqlens, block_size, _pick(config, BWD_CONFIG, INTERPRET_BWD), pdt, 0,
+                 chunk_rows, BWD_CHUNK_BYTES)
+    geo, cfg = lp.geo, lp.cfg
     dev = q.device
     qf, kf, vf = q.contiguous(), k.contiguous(), v.contiguous()
     of, dof = o.contiguous(), do.contiguous()
@@ -904,14 +952,21 @@ def sparse_attention_bwd_triton(
     delta = torch.empty((geo.N, geo.Hq), dtype=torch.float32, device=dev)
     dka = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
     dva = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
-    pdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    C = _chunk_rows(geo, pdt.itemsize, 0, chunk_rows, BWD_CHUNK_BYTES)
-    chunks = _chunks(geo, C, cu_seqlens)
-    sel = _selection_rows(block_idx, geo)
-    prec, upcast = _prec(q.dtype)
     rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
     dlse_f = dlse.contiguous().float() if dlse is not None else lse2  # dummy pointer when absent
-    DQP = it = None
+
+    def launch_group(it: _Items, bufs, grid, n0: int, c: int, g: int) -> None:
+        (DQP,) = bufs
+        _sa_bwd_kernel[grid](
+            qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
+            it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
+            geo.N, n0, float(scale) * 1.4426950408889634, float(scale), g, it.max_items,
+            HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=lp.q_tile,
+            BLOCK_M=lp.bm, BLOCK_N=lp.bn, BLOCK_D=lp.bd, PREC=lp.prec, UPCAST=lp.upcast, SKIP_EMPTY=interpret_mode(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _dq_reduce(DQP, it, dq, n0, c, geo, g)
+
     with _DeviceGuard(q):
         _sa_bwd_pre_kernel[(triton.cdiv(geo.N, rbt), triton.cdiv(geo.Hq, rbh))](
             of, dof, lsef, dlse_f, lse2, delta,
@@ -919,24 +974,7 @@ def sparse_attention_bwd_triton(
             HQ=geo.Hq, D=geo.D, HAS_DLSE=dlse is not None,
             BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=4,
         )
-        for n0, c, ent in chunks:
-            it = None  # as in the forward: one work list at a time, dq partials after the first
-            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, dev)
-            if DQP is None:
-                (DQP,) = _partial_buffers(max(e for _, _, e in chunks), geo, pdt, False, dev, poison)
-            grid = (_group_grid(ent, item_q, geo),)
-            for g in range(geo.G):
-                if poison and (g or n0):
-                    DQP.fill_(float("nan"))
-                _sa_bwd_kernel[grid](
-                    qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
-                    it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
-                    geo.N, n0, float(scale) * 1.4426950408889634, float(scale), g, it.max_items,
-                    HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=interpret_mode(),
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                )
-                _dq_reduce(DQP, it, dq, n0, c, geo, g)
+        _run_groups(lp, cu_seqlens, False, dev, poison, launch_group)
     dk = dka.view(k.shape).to(k.dtype)
     dv = dva.view(v.shape).to(v.dtype)
     if dk_out is not None:
