@@ -152,6 +152,13 @@ def _work(block_idx, cu_seqlens, block_size: int, q_tile: int):
 
 
 @triton.jit
+def _tile_count(tile_count_ptr):
+    """(this program's tile, its entry count)."""
+    pid = tl.program_id(0)
+    return pid, tl.load(tile_count_ptr + pid)
+
+
+@triton.jit
 def _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr, NB, T, bsz,
                    G: tl.constexpr, VARLEN: tl.constexpr, BS: tl.constexpr):
     """Tile pid -> (first entry, batch b, group g, first token t0 of its block, token count nj,
@@ -213,8 +220,7 @@ def _stats_kernel(
     belongs to exactly one tile, so plain stores).  With HEADS one loop runs over (sub-tile,
     head chunk) pairs (the Q-chunk loads stay pipelined across sub-tiles).
     """
-    pid = tl.program_id(0)
-    count = tl.load(tile_count_ptr + pid)
+    pid, count = _tile_count(tile_count_ptr)
     if count == 0:
         return
     e0, b, g, t0, nj, offs_j, tok, jmask = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr,
@@ -372,8 +378,7 @@ def _kl_kernel(
     dk [B, T, DI] fp32 accumulators.  One loop over (sub-tile, head chunk) pairs, so that the
     Q-chunk loads stay software-pipelined across sub-tiles.
     """
-    pid = tl.program_id(0)
-    count = tl.load(tile_count_ptr + pid)
+    pid, count = _tile_count(tile_count_ptr)
     if count == 0:
         return
     e0, b, g, t0, nj, offs_j, tok, jmask = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr,

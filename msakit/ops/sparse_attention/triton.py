@@ -321,7 +321,8 @@ def _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G: tl.constexpr, D: tl.const
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Item pid's first entry, group, key-block start token, and the block's K and V
     [BLOCK_N, BLOCK_D] (zeros past the block, the batch or for a padding item), with their
-    flat row offsets and mask (for the backward's dK / dV flush)."""
+    flat row offsets and mask (for the backward's dK / dV flush), the column offsets
+    offs_n [BLOCK_N] and offs_d [BLOCK_D] and the head-dim mask d_ok."""
     key = tl.load(IT_KEY + pid).to(tl.int64)
     start = tl.load(IT_START + pid).to(tl.int64)
     g = key // N
@@ -334,7 +335,7 @@ def _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G: tl.constexpr, D: tl.const
     kv_mask = kv_ok[:, None] & (offs_d < D)[None, :]
     kb = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     vb = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    return start, g, tok0, kb, vb, kv_row, kv_mask
+    return start, g, tok0, kb, vb, kv_row, kv_mask, offs_n, offs_d, offs_d < D
 
 
 @triton.jit
@@ -404,10 +405,8 @@ def _sa_fwd_kernel(
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
         if count == 0:
             return
-    start, g, tok0, kb, vb, kv_row, kv_mask = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G, D, BS, BLOCK_N, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    start, g, tok0, kb, vb, kv_row, kv_mask, offs_n, offs_d, d_ok = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G,
+                                                                            D, BS, BLOCK_N, BLOCK_D)
 
     # software pipeline by hand: the Q rows of sub-tile i+1 and the entries of sub-tile i+2
     # are in flight while sub-tile i computes (an indirect load defeats Triton's pipeliner)
@@ -441,6 +440,19 @@ def _sa_fwd_kernel(
         tl.store(LP + prow, lse, mask=row_ok)
 
 
+@triton.jit
+def _slot_rows(NV, GRP_ENT, t, hh, C, grp, HPG: tl.constexpr, KS: tl.constexpr, D: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """For rows t of a chunk of C rows and heads hh of group grp (a merge or reduce program's
+    (row, head) pairs): (ok, head h, valid slots nv, t int64, the (grp, t, slot 0) offset in
+    INV [G, C, KS], the group's first entry, offs_d [BLOCK_D], its mask d_ok)."""
+    ok = (t < C) & (hh < HPG)
+    nv = tl.load(NV + grp * C + t, mask=ok, other=0)
+    t64 = t.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    return ok, grp * HPG + hh, nv, t64, (grp * C + t64) * KS, tl.load(GRP_ENT + grp).to(tl.int64), offs_d, offs_d < D
+
+
 @triton.jit(do_not_specialize=["grp"])
 def _sa_fwd_merge_kernel(
     P, LP, NV, INV, GRP_ENT, OUT, LSE,
@@ -456,14 +468,7 @@ def _sa_fwd_merge_kernel(
     offs_r = tl.arange(0, BLOCK_T * BLOCK_H)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_H
     hh = tl.program_id(1) * BLOCK_H + offs_r % BLOCK_H
-    ok = (t < C) & (hh < HPG)
-    h = grp * HPG + hh
-    nv = tl.load(NV + grp * C + t, mask=ok, other=0)
-    t64 = t.to(tl.int64)
-    ibase = (grp * C + t64) * KS  # (grp, t, slot 0) in INV [G, C, KS]
-    e0 = tl.load(GRP_ENT + grp).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    ok, h, nv, t64, ibase, e0, offs_d, d_ok = _slot_rows(NV, GRP_ENT, t, hh, C, grp, HPG, KS, D, BLOCK_D)
     sw = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
     mx = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
     for s in range(0, KS):
@@ -507,14 +512,7 @@ def _sa_dq_reduce_kernel(
     offs_r = tl.arange(0, BLOCK_T * BLOCK_HP)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_HP
     hh = offs_r % BLOCK_HP
-    ok = (t < C) & (hh < HPG)
-    h = grp * HPG + hh
-    nv = tl.load(NV + grp * C + t, mask=ok, other=0)
-    t64 = t.to(tl.int64)
-    ibase = (grp * C + t64) * KS  # (grp, t, slot 0) in INV [G, C, KS]
-    e0 = tl.load(GRP_ENT + grp).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    ok, h, nv, t64, ibase, e0, offs_d, d_ok = _slot_rows(NV, GRP_ENT, t, hh, C, grp, HPG, KS, D, BLOCK_D)
     acc = tl.zeros([BLOCK_T * BLOCK_HP, BLOCK_D], tl.float32)
     for s in tl.range(0, KS, 2, num_stages=NUM_STAGES):
         ok0 = ok & (s < nv)
@@ -573,10 +571,8 @@ def _sa_bwd_kernel(
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
         if count == 0:
             return
-    start, g, tok0, kb, vb, kv_row, kv_mask = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G, D, BS, BLOCK_N, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    start, g, tok0, kb, vb, kv_row, kv_mask, offs_n, offs_d, d_ok = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G,
+                                                                            D, BS, BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
