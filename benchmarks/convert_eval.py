@@ -13,8 +13,14 @@ Stages (each a subcommand; `all` runs them in order):
            4K tokens or more held out; the converted model saved per init.
   eval     `msakit eval` of the dense model (dense, last1024, window, window0, oracle, msa
            untrained) and of each warmed model (msa), lengths 4K-32K; then the table.
+  selections  issue 28's real selections: the qk-initialised, selected-KL warm-up of each
+           budget (block 64 top-8, block 128 top-16; run as in `warmup` when its model is not
+           under --work), in sparse mode on held-out standard-library documents of 16K and 32K
+           tokens: every layer's selection statistics (tools/bench/selection_stats.py) and the
+           raw block_idx of four layers (int16 torch files, `selections_b<bs>_<T>_L<layer>.pt`).
 
     python benchmarks/convert_eval.py all --work DIR --out DIR [--tokens N] [--lengths 4096,...]
+    python benchmarks/convert_eval.py selections --work DIR --out $OUT [--time-budget 70]
 
 Writes convert_eval_<gpu>.json (every stage's numbers, the table rows and the environment) and the
 warmed index weights (index_<init>.safetensors, bf16: small enough to bring back, so that the
@@ -212,6 +218,64 @@ def stage_eval(work: Path, out: Path, lengths: str, samples: int, warmed: list[d
     return res
 
 
+SELECTION_LENGTHS = (16384, 32768)
+SELECTION_LAYERS = (0, 8, 16, 23)  # raw selections kept of these layers (Qwen2.5-0.5B has 24)
+
+
+def stage_selections(work: Path, out: Path, tokens: int, time_budget: float, lr: float,
+                     lengths=SELECTION_LENGTHS, layers=SELECTION_LAYERS) -> list[dict]:
+    """Selections of the warmed Qwen model per budget and length: statistics of every layer, raw
+    block_idx of `layers`.  A budget whose warm-up is missing under --work is warmed up first
+    (qk init, KL over the selected tokens, 16K context, as in docs/convert.md's run 2)."""
+    from tokenizers import Tokenizer
+
+    from msakit.eval.documents import long_documents
+    from msakit.eval.tasks import encoder
+    from msakit.models.convert import MSAWrappedModel
+    from tools.bench.selection_stats import selection_stats
+
+    src = work / "qwen2.5-coder-0.5b-instruct"
+    encode = encoder(Tokenizer.from_file(str(src / "tokenizer.json")))
+    docs = {T: long_documents(encode, T, 1)[0] for T in lengths}
+    res = []
+    for bs, k in BUDGETS:
+        model_dir = work / warm_name("qk", "selected", bs) / "model"
+        row: dict = {"block_size": bs, "topk": k, "model": str(model_dir)}
+        if not model_dir.is_dir():
+            row["warmup"] = stage_warmup(work, out, tokens, 16384, (bs, k), ["qk"], lr, time_budget, "selected")
+        if not model_dir.is_dir():
+            row["error"] = "warm-up produced no model"
+            res.append(row)
+            continue
+        model = MSAWrappedModel.from_pretrained(model_dir, device=DEVICE, dtype=torch.bfloat16).eval()
+        model.set_attention_mode("sparse")
+        for T in lengths:
+            doc = docs[T]
+            ids = torch.tensor([doc.ids], device=DEVICE)
+            t0 = time.time()
+            with torch.no_grad():
+                outp = model(ids, compute_kl=False, return_attn_inputs=True)
+            sels = [None if a is None else a.get("block_idx") for a in (outp.attn_inputs or [])]
+            del outp
+            stats = {}
+            for layer, bi in enumerate(sels):
+                if bi is None:
+                    continue
+                stats[layer] = selection_stats(bi, bs)
+                if layer in layers:
+                    torch.save({"block_idx": bi.to("cpu", torch.int16), "block_size": bs, "layer": layer,
+                                "document": doc.name, "T": T}, out / f"selections_b{bs}_{T}_L{layer}.pt")
+            row[str(T)] = {"document": doc.name, "seconds": time.time() - t0, "stats": stats}
+            log(f"selections b{bs} T={T}: {len(stats)} layers, jaccard "
+                f"{[round(s['jaccard']['mean'], 3) for s in stats.values()]}")
+            del sels
+            torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+        res.append(row)
+    return res
+
+
 def warm_name(init: str, kl_tokens: str, block_size: int) -> str:
     """The warm-up run's folder name under --work: warm_<init>_<kl tokens>_b<block size>."""
     return f"warm_{init}_{kl_tokens}_b{block_size}"
@@ -236,7 +300,7 @@ def export_index(warmed: list[dict], out: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("ops", "build", "warmup", "eval", "all"))
+    ap.add_argument("stage", choices=("ops", "build", "warmup", "eval", "selections", "all"))
     ap.add_argument("--work", type=Path, default=Path("~/msakit_convert").expanduser())
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/convert_eval")))
     ap.add_argument("--tokens", type=int, default=2_000_000, help="warm-up tokens per init")
@@ -273,6 +337,11 @@ def main(argv=None) -> int:
                 result["warmup"] = stage_warmup(args.work, args.out, args.tokens, args.context, budget,
                                                 args.inits.split(","), args.index_lr, args.time_budget, args.kl_tokens)
                 export_index(result["warmup"], args.out)
+            elif st == "selections":
+                if not (args.work / "qwen2.5-coder-0.5b-instruct").is_dir():
+                    result["build"] = stage_build(args.work)
+                result["selections"] = stage_selections(args.work, args.out, args.tokens, args.time_budget,
+                                                        args.index_lr)
             elif st == "eval":
                 warmed = result.get("warmup")
                 if warmed is None:  # every warm-up of this block size found under --work

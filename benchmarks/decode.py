@@ -10,7 +10,7 @@ inside CUDA graphs, with an L2 flush before each call ("cold", the headline: the
 flush (clean L2 lines: the write-back share of the headline), at B = 1.
 
     python benchmarks/decode.py [--B 1 8] [--N 16384 131072 1048576] [--idx bf16 fp8] [--nq 1]
-                                [--no-check] [--tune] [--read-flush] [--quick]
+                                [--no-check] [--read-flush] [--quick]
 
 `model.generate` tokens/s is benchmarks/generate.py.  Writes benchmarks/results/decode_<gpu>.json
 (and --out / $OUT), a PNG, and prints a table.  Bars (H200): >= 7.6x dense at 1M B=1 (bf16 index
@@ -82,7 +82,6 @@ def main(argv=None) -> None:
     ap.add_argument("--idx", nargs="*", default=["bf16", "fp8"])
     ap.add_argument("--nq", type=int, default=1)
     ap.add_argument("--no-check", action="store_true", help="skip the graph == eager / reference check")
-    ap.add_argument("--tune", action="store_true", help="sweep the scoring launch at 1M first and use the best")
     ap.add_argument("--read-flush", action="store_true", help="also time cold calls after a read-only flush (B = 1)")
     add_run_args(ap, "smoke run: B 1, N 16K and 1M, no check")
     args = ap.parse_args(argv)
@@ -94,13 +93,7 @@ def main(argv=None) -> None:
     if not args.no_check:
         payload["graph_check"] = bench.graph_check()
         print("graph_check ok:", payload["graph_check"]["ok"], flush=True)
-    plan_kw = None
-    if args.tune:
-        payload["tune"] = bench.tune()
-        plan_kw = bench.best_plan_kw(payload["tune"])
-        payload["chosen"] = plan_kw
-        print("chosen scoring launch:", plan_kw, flush=True)
-    rows = bench.run(args.B, args.N, args.idx, nq=args.nq, plan_kw=plan_kw)
+    rows = bench.run(args.B, args.N, args.idx, nq=args.nq)
     payload["rows"] = rows
     if args.read_flush:
         payload["read_flush"] = read_flush_rows([1], [n for n in args.N if n >= 131072] or args.N, args.idx)

@@ -6,18 +6,22 @@ Selection kinds (`--kinds`):
   random       index_topk on random keys: choices spread uniformly
   trained-like own block + 3 local blocks + block 0 + 11 stripes per group that every later
                query shares (benchmarks/selections.py), the pattern of a trained indexer
+  real-like    own block + persistent slots redrawn at a fitted rate from hot blocks and a
+               power law of distances (benchmarks/selections.py `RealLike`: the statistics of
+               measured selections, docs/kernels.md)
   dumped       a selection dumped from a trained model's indexer (`--selection-file`, at its own T;
                `python benchmarks/selections.py --model DIR --context T --out sel.pt` writes one: a
                model with this benchmark's selection, blocks of 128 and top-16)
 Score dtypes (`--scores`): "bf16" rows score the index in bf16 (every kind); an "fp8" row
 (kind random) runs `ops.msa_attention(score_dtype="fp8")` end to end and reports its selection's
-recall against the bf16 selection (the trained-like and dumped kinds do not depend on scoring).
+recall against the bf16 selection (the other kinds do not depend on scoring).
 Every kind runs the same work: index_topk is computed (and timed) in each forward / training
-step; the trained-like and dumped kinds then attend (and train the KL) on their own selection.
+step; the trained-like, real-like and dumped kinds then attend (and train the KL) on their own
+selection.
 The dense baseline is measured once per context in the same run.
 
     python benchmarks/prefill.py [--T 16384 131072 1048576] [--train-T 16384 131072]
-                                 [--kinds random trained-like] [--selection-file sel.pt] [--quick]
+                                 [--kinds random trained-like real-like] [--selection-file sel.pt] [--quick]
     python benchmarks/prefill.py --train-T 16384 131072 1048576     # issue-16 table (dense 1M step: T^2 from 128K)
     python benchmarks/prefill.py --profile --T 131072          # torch.profiler kernel tables
     python benchmarks/prefill.py --once --T 16384              # one forward, for `ncu -k regex:_sa_fwd`
@@ -40,11 +44,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (RESULTS, add_run_args, bench_ms, copy_out, dense_cudnn, env_info, gpu_tag,  # noqa: E402
                                save_json)
-from benchmarks.selections import load_block_idx, selection_stats, trained_like_block_idx  # noqa: E402
+from benchmarks.selections import (load_block_idx, real_like_block_idx, selection_stats,  # noqa: E402
+                                   trained_like_block_idx)
 from msakit import ops  # noqa: E402
 
 HQ, G, D, DI, BS, TOPK = 64, 4, 128, 128, 128, 16
-KINDS = ("random", "trained-like", "dumped")
+KINDS = ("random", "trained-like", "real-like", "dumped")
 QUICK = dict(T=[16384, 131072], train_T=[16384])
 
 
@@ -79,12 +84,12 @@ def msa_forward(q, k, v, qi, ki, bi=None):
 
 
 def msa_train_step(q, k, v, qi, ki, do, bi=None) -> None:
-    """Forward + backward of one layer with the indexer KL loss (sum(o * do) + KL), on
-    index_topk's selection or on `bi`."""
+    """Forward + backward of one layer with the indexer KL loss (sum(o * do) + KL, from
+    `ops.sparse_attention_with_kl`: the KL reuses the forward's lse), on index_topk's selection or
+    on `bi`."""
     sel = ops.index_topk(qi.detach(), ki.detach(), block_size=BS, topk=TOPK)
     sel = sel if bi is None else bi
-    o, lse = ops.sparse_attention(q, k, v, sel, block_size=BS, return_lse=True, validate=False)
-    kl = ops.index_kl_loss(q, k, qi, ki, sel, block_size=BS, lse=lse, validate=False)
+    o, kl = ops.sparse_attention_with_kl(q, k, v, qi, ki, sel, block_size=BS, validate=False)
     ((o.float() * do).sum() + kl).backward()
 
 
@@ -131,6 +136,8 @@ def selection_for(kind: str, T: int, qi, ki, selection_file: str | None):
         return None
     if kind == "trained-like":
         return trained_like_block_idx(T, block_size=BS, topk=TOPK, groups=G, device=qi.device)
+    if kind == "real-like":
+        return real_like_block_idx(T, block_size=BS, topk=TOPK, groups=G, device=qi.device)
     if kind == "dumped":
         return load_block_idx(selection_file, B=1, G=G, T=T, topk=TOPK, block_size=BS, device=qi.device)
     raise ValueError(f"unknown selection kind {kind!r} (one of {KINDS})")
@@ -324,7 +331,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="*", default=[16384, 131072, 1048576])
     ap.add_argument("--train-T", type=int, nargs="*", default=[16384, 131072])
-    ap.add_argument("--kinds", nargs="*", default=["random", "trained-like"], choices=KINDS)
+    ap.add_argument("--kinds", nargs="*", default=["random", "trained-like", "real-like"], choices=KINDS)
     ap.add_argument("--scores", nargs="*", default=["bf16", "fp8"], choices=("bf16", "fp8"),
                     help="index scoring of the forward rows: bf16 (every kind), fp8 (msa_attention end to end, random)")
     ap.add_argument("--selection-file", default=None,

@@ -15,6 +15,8 @@ has fewer than topk valid blocks.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -75,6 +77,178 @@ def trained_like_block_idx(T: int, *, block_size: int = 128, topk: int = 16, bat
     rows = trained_like_rows(nb, groups, topk, local_blocks=local_blocks, stripes=stripes, seed=seed, device=device)
     own = torch.arange(T, device=device) // block_size
     return rows[:, own].unsqueeze(0).expand(batch, groups, T, topk).contiguous()
+
+
+@dataclass(frozen=True)
+class RealLike:
+    """Parameters of `real_like_block_idx` (defaults: the fit to msakit's trained CPU model, see
+    docs/kernels.md "Selections that look real").
+
+    A query's selection: the forced blocks (its own, the `local_blocks - 1` before it, the first
+    `init_blocks`), then `topk` *slots* per (batch row, group), each holding one block that
+    persists from query to query and is redrawn with probability `churn` per query (so
+    neighbouring queries share most of their sets); a draw takes, with probability `p_hot`, one
+    of the group's `hot_blocks` long-range blocks (random positions, weights rank^-hot_zipf;
+    shared by every query past them), otherwise a block at distance d = own block - block >=
+    local_blocks with P(d) ~ d^-dist_alpha (recency).  Duplicates and blocks not yet visible give
+    way to the nearest earlier blocks, so every row holds min(topk, own + 1) distinct ids, as
+    index_topk's do."""
+
+    local_blocks: int = 1
+    init_blocks: int = 0
+    churn: float = 0.05
+    hot_blocks: int = 8
+    hot_zipf: float = 1.0
+    p_hot: float = 0.3
+    dist_alpha: float = 1.2
+
+    def __post_init__(self) -> None:
+        if self.local_blocks < 1 or self.init_blocks < 0 or self.hot_blocks < 0:
+            raise ValueError(f"local_blocks >= 1, init_blocks >= 0 and hot_blocks >= 0 required, got {self}")
+        if not (0.0 < self.churn <= 1.0) or not (0.0 <= self.p_hot <= 1.0):
+            raise ValueError(f"churn must be in (0, 1] and p_hot in [0, 1], got {self.churn}, {self.p_hot}")
+        if self.hot_zipf < 0 or self.dist_alpha < 0:
+            raise ValueError(f"hot_zipf and dist_alpha must be >= 0, got {self.hot_zipf}, {self.dist_alpha}")
+
+
+def _power_law_distance(u: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Integer distances in [lo, hi] with P(d) ~ d^-alpha (inverse CDF of the continuous law on
+    [lo, hi + 1), floored); u uniform in [0, 1)."""
+    lo_f, hi_f = lo.double(), hi.double() + 1.0
+    if abs(alpha - 1.0) < 1e-6:
+        x = lo_f * torch.exp(u.double() * torch.log(hi_f / lo_f))
+    else:
+        e = 1.0 - alpha
+        x = (lo_f.pow(e) + u.double() * (hi_f.pow(e) - lo_f.pow(e))).pow(1.0 / e)
+    return torch.minimum(x.floor().long(), hi.long()).clamp(min=0)
+
+
+def _distinct_first(cand: torch.Tensor, own: torch.Tensor, topk: int) -> torch.Tensor:
+    """cand int64 [R, C, L] (priority order along L) -> the first `topk` distinct ids in
+    [0, own] of each row, ascending, -1 padded: int32 [R, C, topk]."""
+    R, C, L = cand.shape
+    big = torch.iinfo(torch.int64).max
+    prio = torch.arange(L, device=cand.device)
+    valid = (cand >= 0) & (cand <= own)
+    key = torch.where(valid, cand * L + prio, torch.full_like(cand, big))
+    skey, order = key.sort(dim=-1)
+    scand = torch.where(skey == big, torch.full_like(skey, -1), skey // L)
+    dup = torch.zeros_like(scand, dtype=torch.bool)
+    dup[..., 1:] = (scand[..., 1:] == scand[..., :-1]) & (scand[..., 1:] >= 0)
+    keep = torch.zeros_like(dup).scatter_(-1, order, (scand >= 0) & ~dup)  # back in priority order
+    first = torch.where(keep, prio.expand_as(cand), torch.full_like(cand, big)).sort(dim=-1).values[..., :topk]
+    ids = torch.where(first == big, torch.full_like(first, -1), cand.gather(-1, first.clamp(max=L - 1)))
+    ids = torch.where(ids < 0, torch.full_like(ids, big), ids).sort(dim=-1).values
+    return torch.where(ids == big, torch.full_like(ids, -1), ids).to(torch.int32)
+
+
+REAL_LIKE_CHUNK = 1 << 14  # queries generated at a time (memory ~ batch x groups x topk x this)
+
+
+def real_like_block_idx(T: int, *, block_size: int = 128, topk: int = 16, batch: int = 1, groups: int = 4,
+                        params: RealLike | None = None, seed: int = 0, device=None) -> torch.Tensor:
+    """int32 [batch, groups, T, topk]: the "real-like" selection kind (`RealLike`), deterministic
+    in `seed` (random numbers from a CPU generator), generated REAL_LIKE_CHUNK queries at a time
+    on `device`."""
+    if T < 1 or block_size < 1 or topk < 1 or batch < 1 or groups < 1:
+        raise ValueError(f"T, block_size, topk, batch and groups must be >= 1, got {T}, {block_size}, {topk}, "
+                         f"{batch}, {groups}")
+    p = params or RealLike()
+    if topk < p.local_blocks + p.init_blocks:
+        raise ValueError(f"topk={topk} must hold the forced blocks ({p.local_blocks} local + {p.init_blocks} init)")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    g = torch.Generator().manual_seed(seed)
+    R, S, nb = batch * groups, topk, (T + block_size - 1) // block_size
+    hot = w = None
+    if p.hot_blocks:
+        hot = torch.stack([torch.randperm(nb, generator=g)[:p.hot_blocks] for _ in range(R)]).to(dev)  # [R, H]
+        w = torch.arange(1, hot.shape[1] + 1, dtype=torch.float64).pow(-p.hot_zipf)
+    forced_off = torch.arange(p.local_blocks, device=dev)
+    init = torch.arange(p.init_blocks, device=dev)
+    fill_off = p.local_blocks + torch.arange(topk, device=dev)
+    first_free = p.local_blocks * block_size  # the first query with a block outside its local window
+    out = torch.empty(R, T, topk, dtype=torch.int32, device=dev)
+    carry = torch.full((R, S), -1, dtype=torch.int64, device=dev)  # each slot's block (-1: none yet)
+    for t0 in range(0, T, REAL_LIKE_CHUNK):
+        C = min(T, t0 + REAL_LIKE_CHUNK) - t0
+        t = torch.arange(t0, t0 + C, device=dev)
+        own = (t // block_size).view(1, 1, C).expand(R, S, C)
+        # redraws: at rate churn, and for every slot at the first query that has a free block
+        change = (torch.rand(R, S, C, generator=g) < p.churn).to(dev) | (t == first_free).view(1, 1, C)
+        u_kind = torch.rand(R, S, C, generator=g).to(dev)
+        u_dist = torch.rand(R, S, C, generator=g).to(dev)
+        dist = _power_law_distance(u_dist, torch.full_like(own, p.local_blocks), own.clamp(min=p.local_blocks),
+                                   p.dist_alpha)
+        draw = torch.where(own >= p.local_blocks, own - dist, torch.full_like(own, -1))
+        if hot is not None:
+            pick = torch.multinomial(w, R * S * C, replacement=True, generator=g).view(R, S * C).to(dev)
+            hb = hot.gather(1, pick).view(R, S, C)
+            draw = torch.where((u_kind < p.p_hot) & (hb <= own), hb, draw)
+        # each query's slot holds the draw of the slot's last change up to it (or the carry)
+        last = torch.where(change, torch.arange(C, device=dev).view(1, 1, C), torch.full_like(own, -1)).cummax(-1).values
+        vals = torch.where(last >= 0, draw.gather(-1, last.clamp(min=0)), carry.unsqueeze(-1))
+        carry = vals[..., -1]
+        own_r = own[:, 0].unsqueeze(-1)  # [R, C, 1]
+        parts = [own_r - forced_off.view(1, 1, -1)]
+        if p.init_blocks:
+            parts.append(init.view(1, 1, -1).expand(R, C, -1))
+        parts += [vals.transpose(1, 2), own_r - fill_off.view(1, 1, -1)]
+        out[:, t0:t0 + C] = _distinct_first(torch.cat(parts, dim=-1), own_r, topk)
+    return out.view(batch, groups, T, topk)
+
+
+def fit_real_like(target: dict, *, T: int, block_size: int, topk: int, groups: int, local_blocks: int = 1,
+                  init_blocks: int = 0, seed: int = 0, rounds: int = 3, log=None) -> tuple[RealLike, float]:
+    """RealLike parameters whose selections at this shape reproduce `target` (a
+    `tools.bench.selection_stats.selection_stats` dict of a measured selection): coordinate
+    search over churn, p_hot, hot_blocks, hot_zipf and dist_alpha minimising `stats_distance`.
+    Returns (parameters, distance)."""
+    from tools.bench.selection_stats import selection_stats
+
+    grid = {
+        "churn": [0.003, 0.006, 0.01, 0.02, 0.035, 0.05, 0.08, 0.12, 0.2, 0.35, 0.5, 0.7, 1.0],
+        "p_hot": [0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9],
+        "hot_blocks": [0, 2, 4, 8, 16, 32, 64],
+        "hot_zipf": [0.0, 0.5, 1.0, 1.5, 2.5],
+        "dist_alpha": [0.0, 0.4, 0.8, 1.2, 1.6, 2.0, 3.0],
+    }
+    cur = RealLike(local_blocks=local_blocks, init_blocks=init_blocks)
+
+    def score(par: RealLike) -> float:
+        bi = real_like_block_idx(T, block_size=block_size, topk=topk, groups=groups, params=par, seed=seed)
+        return stats_distance(selection_stats(bi, block_size), target)
+
+    best = score(cur)
+    for _ in range(rounds):
+        improved = False
+        for name, values in grid.items():
+            for v in values:
+                cand = replace(cur, **{name: v})
+                d = score(cand)
+                if d < best - 1e-9:
+                    cur, best, improved = cand, d, True
+            if log:
+                log(f"fit: {name} -> {getattr(cur, name)} (distance {best:.4f})")
+        if not improved:
+            break
+    return cur, best
+
+
+def stats_distance(a: dict, b: dict) -> float:
+    """How far two selection_stats dicts are apart: neighbour Jaccard (mean, p10), union per tile
+    over slots (log ratio, per shared tile), distance histogram and popularity histogram (L1 of
+    the shares), the top block's share."""
+    d = 2.0 * abs(a["jaccard"]["mean"] - b["jaccard"]["mean"]) + abs(a["jaccard"]["p10"] - b["jaccard"]["p10"])
+    tiles = set(a["union"]) & set(b["union"])
+    for n in tiles:
+        d += abs(math.log(max(a["union"][n]["over_slots"], 1e-9) / max(b["union"][n]["over_slots"], 1e-9))) / len(tiles)
+    sa, sb = a["distance"]["share"], b["distance"]["share"]
+    m = max(len(sa), len(sb))
+    d += sum(abs(x - y) for x, y in zip(sa + [0.0] * (m - len(sa)), sb + [0.0] * (m - len(sb))))
+    ha, hb = a["popularity"]["share_hist"], b["popularity"]["share_hist"]
+    d += 0.5 * sum(abs(x / max(1, sum(ha)) - y / max(1, sum(hb))) for x, y in zip(ha, hb))
+    d += abs(a["popularity"]["top_block_share_mean"] - b["popularity"]["top_block_share_mean"])
+    return d
 
 
 def load_block_idx(path: str | Path, *, B: int, G: int, T: int, topk: int, block_size: int | None = None,
@@ -150,15 +324,27 @@ def dump_block_idx(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     return captured
 
 
-def _corpus_tokens(model_dir: Path, T: int) -> torch.Tensor:
-    """T tokens of held-out text (the corpus's validation files) in the tokenizer beside the model."""
+def dump_layers(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every MSA layer's block_idx int32 [B, G, T, topk] (CPU) of one forward of model(input_ids)
+    in its current attention mode (`return_attn_inputs=True`; layers without a selection are
+    skipped)."""
+    with torch.no_grad():
+        out = model(input_ids, compute_kl=False, return_attn_inputs=True)
+    return [inp["block_idx"].detach().to("cpu", torch.int32) for inp in (out.attn_inputs or [])
+            if inp is not None and inp.get("block_idx") is not None]
+
+
+def _corpus_tokens(model_dir: Path, T: int, tokenizer: Path | None = None) -> torch.Tensor:
+    """T tokens of held-out text (the corpus's validation files) in the tokenizer beside the model
+    (or its run folder), or `tokenizer`."""
     from msakit.train.corpus import build_corpus
     from msakit.train.data import encode_files
     from msakit.train.tokenizer import Tokenizer
 
-    tok_path = next((p for p in (model_dir / "tokenizer.json", model_dir.parent / "tokenizer.json") if p.is_file()), None)
+    near = [model_dir / "tokenizer.json", model_dir.parent / "tokenizer.json", model_dir.parent.parent / "tokenizer.json"]
+    tok_path = tokenizer or next((p for p in near if p.is_file()), None)
     if tok_path is None:
-        raise FileNotFoundError(f"no tokenizer.json beside {model_dir}: pass --tokens")
+        raise FileNotFoundError(f"no tokenizer.json beside {model_dir}: pass --tokens or --tokenizer")
     tok = Tokenizer.load(tok_path)
     corpus = build_corpus(val_fraction=0.02)
     stream = encode_files(tok, corpus.val + corpus.train, max_tokens=T)
@@ -175,6 +361,9 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=8192, help="tokens of held-out text to run")
     ap.add_argument("--tokens", default=None, help="a torch file with input ids [1, T] instead of the corpus")
     ap.add_argument("--layer", type=int, default=0, help="which MSA layer's selection (in call order)")
+    ap.add_argument("--all-layers", action="store_true",
+                    help="write every MSA layer's selection, OUT with _L<layer> before the suffix")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: beside the model or its run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -182,12 +371,21 @@ def main(argv=None) -> None:
 
     model = M3ForCausalLM.from_pretrained(args.model, device=args.device).eval()
     model.set_attention_mode("sparse")
-    ids = (torch.load(args.tokens, weights_only=True) if args.tokens else _corpus_tokens(Path(args.model), args.context))
+    ids = (torch.load(args.tokens, weights_only=True) if args.tokens else
+           _corpus_tokens(Path(args.model), args.context, Path(args.tokenizer) if args.tokenizer else None))
+    cfg = model.config
+    if args.all_layers:
+        out = Path(args.out)
+        for layer, bi in enumerate(dump_layers(model, ids.to(args.device))):
+            path = out.with_name(f"{out.stem}_L{layer}{out.suffix}")
+            torch.save({"block_idx": bi, "block_size": cfg.index_block_size, "layer": layer,
+                        "model": str(args.model)}, path)
+            print(f"wrote {path}: block_idx {tuple(bi.shape)}, {selection_stats(bi, cfg.index_block_size)}")
+        return
     sels = dump_block_idx(model, ids.to(args.device))
     if not sels:
         raise SystemExit("the model made no index_topk call (no MSA layer in sparse mode?)")
     bi = sels[args.layer]
-    cfg = model.config
     torch.save({"block_idx": bi, "block_size": cfg.index_block_size, "layer": args.layer, "model": str(args.model)},
                args.out)
     print(f"wrote {args.out}: block_idx {tuple(bi.shape)}, blocks of {cfg.index_block_size}, "

@@ -32,7 +32,9 @@ def interpret_mode() -> bool:
 
 
 def warn_once(key: str, message: str) -> None:
-    if key not in _warned:
+    """A RuntimeWarning the first time `key` is seen in this process (skipped while torch.compile
+    traces: a warning would break the graph; the next eager call warns)."""
+    if key not in _warned and not torch.compiler.is_compiling():
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 

@@ -19,7 +19,7 @@ from benchmarks import generate, prefill, spec, train_speed  # noqa: E402
 def test_prefill_arguments(tmp_path):
     a = prefill.parse_args([])
     assert a.T == [16384, 131072, 1048576] and a.train_T == [16384, 131072]
-    assert a.kinds == ["random", "trained-like"] and a.check == [16384]
+    assert a.kinds == ["random", "trained-like", "real-like"] and a.check == [16384]
     q = prefill.parse_args(["--quick"])
     assert q.T == prefill.QUICK["T"] and q.train_T == prefill.QUICK["train_T"]
     with pytest.raises(SystemExit):
@@ -28,8 +28,8 @@ def test_prefill_arguments(tmp_path):
     torch.save({"block_idx": torch.zeros(1, 4, 300, 16, dtype=torch.int32)}, f)
     d = prefill.parse_args(["--selection-file", str(f)])
     assert d.kinds[-1] == "dumped" and prefill.load_block_idx_T(str(f)) == 300
-    assert prefill.kinds_at(300, d.kinds, str(f)) == ["random", "trained-like", "dumped"]
-    assert prefill.kinds_at(16384, d.kinds, str(f)) == ["random", "trained-like"]
+    assert prefill.kinds_at(300, d.kinds, str(f)) == ["random", "trained-like", "real-like", "dumped"]
+    assert prefill.kinds_at(16384, d.kinds, str(f)) == ["random", "trained-like", "real-like"]
 
 
 def test_prefill_flop_counts():
@@ -220,6 +220,7 @@ def test_prefill_main_at_toy_sizes_on_cpu(tmp_path, monkeypatch):
         index_topk=lambda *a, **k: ops.index_topk(*a, backend="reference", **k),
         sparse_attention=lambda *a, **k: ops.sparse_attention(*a, backend="reference", **k),
         index_kl_loss=lambda *a, **k: ops.index_kl_loss(*a, backend="reference", **k),
+        sparse_attention_with_kl=lambda *a, **k: ops.sparse_attention_with_kl(*a, backend="reference", **k),
         msa_attention=lambda *a, **k: ops.msa_attention(*a, backend="reference", **k))
 
     def host_ms(fn, **kw):
@@ -241,17 +242,17 @@ def test_prefill_main_at_toy_sizes_on_cpu(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "o" / "prefill_cpu_t.json").read_text())
     assert [(r["T"], r["kind"], r["score"]) for r in data["forward"]] == [
         (T, kind, score) for T in (64, 96) for kind, score in (("random", "bf16"), ("trained-like", "bf16"),
-                                                               ("random", "fp8"))]
-    assert [(r["T"], r["kind"]) for r in data["train"]] == [(64, "random"), (64, "trained-like")]
+                                                               ("real-like", "bf16"), ("random", "fp8"))]
+    assert [(r["T"], r["kind"]) for r in data["train"]] == [(64, "random"), (64, "trained-like"), (64, "real-like")]
     assert not any("error" in r for r in data["forward"] + data["train"]), data
-    f64 = data["forward"][:2]
+    f64 = data["forward"][:3]
     assert all(r["max_row_rel_err"] == 0.0 for r in f64)  # the reference against itself
-    assert "max_row_rel_err" not in data["forward"][2]  # checked at the smallest T only
+    assert "max_row_rel_err" not in data["forward"][4]  # checked at the smallest T only
     assert all(r["speedup_fwd"] > 0 for r in data["forward"])
     assert all(r["sparse_attn_tflops"] > 0 for r in data["forward"] if r["score"] == "bf16")
     fp8 = [r for r in data["forward"] if r["score"] == "fp8"]
     assert all(0.5 < r["recall_vs_bf16"] <= 1.0 and 0.0 <= r["same_set_frac"] <= 1.0 for r in fp8), fp8
-    assert "partial" not in data and data["kinds"] == ["random", "trained-like"]
+    assert "partial" not in data and data["kinds"] == ["random", "trained-like", "real-like"]
 
 
 def test_prefill_recall_counts_shared_valid_blocks():

@@ -1,6 +1,7 @@
-"""msa_decode's v2 scoring kernel (plan_decode(score_impl="v2"), the default), its attention /
-combine options, and the v1 kernel kept selectable: Triton (TRITON_INTERPRET=1 on CPU) against
-the paged reference at small shapes."""
+"""msa_decode's v2 scoring kernel (the kernel for fp8 index keys), its fused combine, and the v1
+kernel of 16-bit / fp32 keys with the combine kernel: Triton (TRITON_INTERPRET=1 on CPU) against
+the paged reference at small shapes, with `DecodeTiling` reaching the paths the GPU defaults take
+at large shapes (two merge levels, row-chunked merges, a chunked final top-k)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from msakit.cache import PagedKVCache
 from msakit.ops.dispatch import interpret_mode
-from msakit.ops.decode import msa_decode, msa_decode_reference, plan_decode
+from msakit.ops.decode import DecodeTiling, msa_decode, msa_decode_reference, plan_decode
+from msakit.ops.decode import triton as decode_kernels
 from tolerances import assert_close_sums
 
 pytestmark = [
@@ -23,7 +25,7 @@ FP8 = torch.float8_e4m3fn
 HQ, G, D, DI, PS = 4, 2, 32, 16, 16
 
 
-def build(lens, *, kv=torch.float32, idx=torch.float32, hq=HQ, g=G, d=D, di=DI, ps=PS, seed=0):
+def build(lens, *, kv=torch.float32, idx=FP8, hq=HQ, g=G, d=D, di=DI, ps=PS, seed=0):
     torch.manual_seed(seed)
     need = sum(-(-L // ps) for L in lens)
     cache = PagedKVCache(1, need + 4, num_kv_heads=g, head_dim=d, index_dim=di, page_size=ps,
@@ -44,12 +46,12 @@ def queries(B, nq, hq=HQ, g=G, d=D, di=DI, dtype=torch.float32, seed=1, qscale=1
             (torch.randn(B, nq, g, di, generator=gen) * qscale).to(dtype).to(DEV))
 
 
-def run(cache, sids, q, qi, topk, *, local_blocks=1, init_blocks=0, **plan_kw):
-    plan_kw.setdefault("score_impl", "v2")  # this file tests v2 (the default for fp8 index keys only)
+def run(cache, sids, q, qi, topk, *, local_blocks=1, init_blocks=0, **tiling):
     meta = cache.decode_metadata(sids)
     sel = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
     plan = plan_decode(cache.layer(0), batch=len(sids), nq=q.shape[1], num_heads=q.shape[2], width=meta.width,
-                       seq_lens=meta.seq_lens_host, page_table=meta.page_table_host, **sel, **plan_kw)
+                       seq_lens=meta.seq_lens_host, page_table=meta.page_table_host, **sel,
+                       tiling=DecodeTiling(**tiling))
     o, lse, bi = msa_decode(q, qi, cache.layer(0), meta.page_table, meta.seq_lens, plan=plan, return_lse=True,
                             return_block_idx=True, backend="triton")
     return (o, lse, bi.clone()), plan
@@ -64,57 +66,61 @@ def as_sets(bi):
     return [[[sorted(int(x) for x in row if x >= 0) for row in grp] for grp in b] for b in bi.cpu()]
 
 
+@pytest.fixture(params=["tma", "ptr"])
+def key_loads(request, monkeypatch):
+    """v2 reads the key pages through a tensor map, or by pointer loads where the pool allows none."""
+    if request.param == "ptr":
+        monkeypatch.setattr(decode_kernels, "_tma_ok", lambda k_idx: False)
+    return request.param
+
+
 @pytest.mark.parametrize(
     "lens,nq,topk,kw",
     [
-        ([1, 200, 37], 1, 4, dict(score_load="cp")),
-        ([1, 200, 37], 1, 4, dict(score_load="tma")),
-        ([5, 130, 64], 3, 3, dict(score_load="tma")),
-        ([16, 199], 4, 4, dict(local_blocks=2, init_blocks=1, score_load="tma")),
-        # two-level selection merge (tensor-map and cp.async key loads)
-        ([150, 33, 80], 2, 5, dict(score_splits=40, cluster=4, score_load="tma")),
-        ([150, 33, 80], 2, 5, dict(score_splits=40, cluster=4)),
+        ([1, 200, 37], 1, 4, {}),
+        ([5, 130, 64], 3, 3, {}),
+        ([16, 199], 4, 4, dict(local_blocks=2, init_blocks=1)),
+        ([150, 33, 80], 2, 5, dict(score_splits=40, cluster=4)),  # two-level selection merge
         # the split's final top-k in several chunks (PCH = 8 < 19 pages per split)
-        ([600, 310], 2, 4, dict(score_splits=2, end_chunk=8, score_load="tma")),
+        ([600, 310], 2, 4, dict(score_splits=2, end_chunk=8)),
         ([600, 310], 2, 8, dict(score_splits=2, end_chunk=8)),  # PCH == KP: the sort path
-        ([97, 64], 4, 16, dict(attn_splits=3, score_load="tma")),  # topk above the page count: -1 padding
+        ([97, 64], 4, 16, dict(attn_splits=3)),  # topk above the page count: -1 padding
         ([120, 45], 1, 4, dict(score_splits=1, attn_splits=1)),
         ([40, 0, 20], 2, 3, dict(score_splits=6)),  # splits without pages, a padding slot
     ],
 )
-def test_v2_matches_reference_fp32(lens, nq, topk, kw):
+def test_v2_matches_reference_fp32_query(lens, nq, topk, kw, key_loads):
+    """fp8 index keys, fp32 queries and K / V: the selection is the reference's on the
+    dequantized keys, in the same order; o and lse within float32 summation order."""
     sel = {k: kw.pop(k) for k in ("local_blocks", "init_blocks") if k in kw}
     cache, sids = build(lens, seed=len(lens) + nq)
     q, qi = queries(len(lens), nq)
     (o, lse, bi), plan = run(cache, sids, q, qi, topk, **sel, **kw)
-    assert plan.score_impl == "v2"
+    assert plan.score_impl == "v2" and plan.fuse_combine
     ro, rlse, rbi = reference(cache, sids, q, qi, topk, **sel)
     assert torch.equal(bi.cpu(), rbi.cpu())  # same sets and order (forced first, then by score)
     torch.testing.assert_close(o, ro, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse, rlse, atol=2e-5, rtol=2e-5)
-    assert (plan.cnt1 == 0).all() and (plan.cnt2 == 0).all()  # the merge counters are back to 0
+    assert (plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all()  # counters back to 0
 
 
 def test_v2_chunked_final_topk_is_exercised():
     cache, sids = build([600, 310], seed=4)
     meta = cache.decode_metadata(sids)
-    plan = plan_decode(cache.layer(0), batch=2, nq=2, num_heads=HQ, width=meta.width, topk=4, score_splits=2,
-                       end_chunk=8, score_impl="v2")
+    plan = plan_decode(cache.layer(0), batch=2, nq=2, num_heads=HQ, width=meta.width, topk=4,
+                       tiling=DecodeTiling(score_splits=2, end_chunk=8))
     assert plan.pch == 8 and -(-meta.width // plan.score_splits) > 2 * plan.pch
 
 
-def test_v1_still_selectable():
-    """The previous configuration (v1 scoring, the combine kernel) and the mixed ones."""
+def test_v1_with_the_combine_kernel():
+    """16-bit / fp32 index keys: v1 scoring and the combine kernel, one and two merge levels."""
     lens, nq, topk = [150, 33, 80], 2, 5
-    cache, sids = build(lens, seed=9)
+    cache, sids = build(lens, idx=torch.float32, seed=9)
     q, qi = queries(len(lens), nq)
     ro, rlse, rbi = reference(cache, sids, q, qi, topk)
-    for kw in (dict(score_impl="v1", fuse_combine=False, score_warps=8), dict(score_impl="v1"),
-               dict(score_impl="v1", score_splits=40, cluster=4, fuse_combine=False),
-               dict(fuse_combine=False, attn_splits=5)):
+    for kw in (dict(), dict(score_splits=40, cluster=4), dict(attn_splits=5)):
         (o, lse, bi), plan = run(cache, sids, q, qi, topk, **kw)
-        assert plan.score_impl == kw.get("score_impl", "v2") and (plan.bmax is None) == (plan.score_impl == "v1")
-        assert plan.fuse_combine == kw.get("fuse_combine", plan.score_impl == "v2")  # default: fused for v2 only
+        assert plan.score_impl == "v1" and plan.bmax is None and not plan.fuse_combine
         assert torch.equal(bi.cpu(), rbi.cpu())
         torch.testing.assert_close(o, ro, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse, rlse, atol=2e-5, rtol=2e-5)
@@ -122,18 +128,17 @@ def test_v1_still_selectable():
 
 @pytest.mark.parametrize("nq,attn_splits", [(1, 7), (3, 2), (3, 1)])
 def test_fused_combine(nq, attn_splits):
-    """The last attention split merges the partials: equal to the combine kernel's result up to
-    float32 summation order, with and without lse, counters back to 0 (also for a padding slot)."""
+    """The last attention split merges the partials (v2): equal to the reference, with and
+    without lse, counters back to 0, a padding slot's output 0 and lse -inf."""
     lens = [130, 0, 77]
     cache, sids = build(lens, seed=nq)
     q, qi = queries(len(lens), nq)
     (o, lse, bi), plan = run(cache, sids, q, qi, 4, attn_splits=attn_splits)
-    (o2, lse2, bi2), _ = run(cache, sids, q, qi, 4, attn_splits=attn_splits, fuse_combine=False)
+    ro, rlse, rbi = reference(cache, sids, q, qi, 4)
     assert plan.fuse_combine and (plan.cnt3 == 0).all()
-    assert torch.equal(bi, bi2)
-    # the same partials merged in another order: a length-attn_splits sum
-    assert_close_sums(o, o2, n=attn_splits, msg="o")
-    assert_close_sums(lse, lse2, n=attn_splits, msg="lse")
+    assert torch.equal(bi.cpu(), rbi.cpu())
+    torch.testing.assert_close(o, ro, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, rlse, atol=2e-5, rtol=2e-5)
     assert (o[1] == 0).all() and torch.isinf(lse[1]).all()
     meta = cache.decode_metadata(sids)
     o3 = msa_decode(q, qi, cache.layer(0), meta.page_table, meta.seq_lens, plan=plan, backend="triton")
@@ -147,25 +152,22 @@ def test_v2_eight_queries_four_groups():
     cache, sids = build(lens, hq=hq, g=g, seed=13)
     q, qi = queries(len(lens), 8, hq=hq, g=g)
     (o, lse, bi), _ = run(cache, sids, q, qi, 4, score_splits=12, cluster=4, attn_splits=16, merge_budget=64,
-                          end_chunk=16, score_load="tma")
+                          end_chunk=16)
     ro, rlse, rbi = reference(cache, sids, q, qi, 4)
     assert torch.equal(bi.cpu(), rbi.cpu())
     torch.testing.assert_close(o, ro, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("qscale", [1.0, 1e-30, 1e30])
-@pytest.mark.parametrize("load", ["cp", "tma"])
-def test_v2_fp8_keys_bf16_query(qscale, load):
+def test_v2_fp8_keys_bf16_query(qscale, key_loads):
     """fp8 index keys with a bf16 query: the v2 kernel scores with fp16 tensor-core dots of the
-    power-of-2 pre-scaled query (exact products), so the selection equals v1's (bf16 -> fp32
-    products) and the reference's on the dequantized keys, for any query magnitude."""
+    power-of-2 pre-scaled query (exact products), so the selection equals the reference's on the
+    dequantized keys, for any query magnitude."""
     lens = [70, 161, 3, 260]
     cache, sids = build(lens, kv=torch.bfloat16, idx=FP8, seed=7)
     q, qi = queries(len(lens), 3, dtype=torch.bfloat16, qscale=qscale)
-    (o, lse, bi), plan = run(cache, sids, q, qi, 4, score_load=load, score_splits=3)
-    (o1, lse1, bi1), _ = run(cache, sids, q, qi, 4, score_impl="v1", score_splits=3)
+    (o, lse, bi), plan = run(cache, sids, q, qi, 4, score_splits=3)
     ro, rlse, rbi = reference(cache, sids, q, qi, 4)
-    assert torch.equal(bi.cpu(), bi1.cpu())
     assert as_sets(bi) == as_sets(rbi)
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=1e-3, rtol=1e-3)
@@ -176,48 +178,37 @@ def test_v2_low_precision(kv, idx):
     lens = [70, 161, 3]
     cache, sids = build(lens, kv=kv, idx=idx, seed=8)
     q, qi = queries(len(lens), 2, dtype=torch.bfloat16)
-    (o, lse, bi), _ = run(cache, sids, q, qi, 4, score_load="tma")
+    (o, lse, bi), _ = run(cache, sids, q, qi, 4)
     ro, rlse, rbi = reference(cache, sids, q, qi, 4)
     assert as_sets(bi) == as_sets(rbi)
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=1e-3, rtol=1e-3)
 
 
-def test_bad_knobs_raise():
+def test_tiling_checks_and_plan_dtype():
     cache, sids = build([40], seed=2)
     pools = cache.layer(0)
-    with pytest.raises(ValueError, match="score_impl"):
-        plan_decode(pools, batch=1, nq=1, num_heads=HQ, width=4, score_impl="v3")
-    with pytest.raises(ValueError, match="score_load"):
-        plan_decode(pools, batch=1, nq=1, num_heads=HQ, width=4, score_load="x")
+    for bad in (dict(cluster=3), dict(score_splits=0), dict(end_chunk=True), dict(merge_budget=1.5)):
+        with pytest.raises(ValueError, match="DecodeTiling"):
+            DecodeTiling(**bad)
+    with pytest.raises(ValueError, match="tiling"):
+        plan_decode(pools, batch=1, nq=1, num_heads=HQ, width=4, tiling=dict(score_splits=2))
+    # a plan of fp8 index keys (v2) does not serve 16-bit / fp32 keys (v1), and vice versa
+    c32, s32 = build([40], idx=torch.float32, seed=2)
+    meta = c32.decode_metadata(s32)
+    plan = plan_decode(pools, batch=1, nq=1, num_heads=HQ, width=meta.width)
+    q, qi = queries(1, 1)
+    with pytest.raises(ValueError, match="index keys"):
+        msa_decode(q, qi, c32.layer(0), meta.page_table, meta.seq_lens, plan=plan, backend="triton")
 
 
-def test_ab_dry_run(monkeypatch):
-    """bench.ab's checks and table on the CPU (interpreter) at one tiny M3-shaped case, timings
-    stubbed: the old and new variants agree with each other and with the reference."""
-    from tools.bench import decode as bench
-
-    real_make = bench.make_pools
-    monkeypatch.setattr(bench, "make_pools",
-                        lambda B, N, idx="bf16", kv=None: real_make(B, N, idx=idx, device=DEV, kv=kv))
-    monkeypatch.setattr(bench, "bench_case", lambda B, N, idx, nq, pools, plan_kw, read_flush: dict(
-        B=B, N=N, idx=idx, nq=nq, msa_ms=0.05, floor_ms=0.04, vs_floor=1.25, msa_read_ms=0.045))
-    monkeypatch.setattr(bench, "dense_ms", lambda B, N, read_flush: dict(dense_ms=0.5, dense_read_ms=0.49))
-    monkeypatch.setattr(bench, "_fits", lambda n: True)
-    rows = bench.ab(Ns=(300,), Bs=(1,), idxs=("fp8",), variants=("old", "new"))
-    assert [r["variant"] for r in rows] == ["old", "new"]
-    assert all(r["ok"] for r in rows), rows
-    assert rows[1]["sel_agree_vs_old"] == 1.0 and rows[1]["sel_agree_vs_ref"] == 1.0
-
-
-def test_default_score_impl_follows_the_index_key_dtype():
-    """score_impl=None: v1 (8 warps, combine kernel) for bf16 / fp32 index keys, v2 with the fused
-    combine for fp8 ones (the H200 measurements of run 11)."""
+def test_score_kernel_follows_the_index_key_dtype():
+    """v1 (8 warps, combine kernel) for bf16 / fp32 index keys, v2 (4 warps, fused combine) for
+    fp8 ones."""
     for idx, want in ((torch.float32, "v1"), (torch.bfloat16, "v1"), (torch.float8_e4m3fn, "v2")):
         cache, sids = build([300, 40], kv=torch.bfloat16 if idx != torch.float32 else torch.float32, idx=idx)
         meta = cache.decode_metadata(sids)
         plan = plan_decode(cache.layer(0), batch=2, nq=1, num_heads=HQ, width=meta.width)
         assert plan.score_impl == want
         assert plan.fuse_combine == (want == "v2")
-        if want == "v1":
-            assert plan.score_warps == 8
+        assert plan.score_warps == (8 if want == "v1" else 4)

@@ -11,7 +11,7 @@ import torch
 from msakit import ops
 from msakit.cache import PagedKVCache
 from msakit.ops.dispatch import interpret_mode
-from msakit.ops.decode import msa_decode, msa_decode_reference, plan_decode
+from msakit.ops.decode import DecodeTiling, msa_decode, msa_decode_reference, plan_decode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -53,10 +53,11 @@ def as_sets(bi):
 
 def run_both(cache, sids, q, qi, topk, **kw):
     meta = cache.decode_metadata(sids)
-    plan_kw = {k: kw.pop(k) for k in list(kw) if k in ("score_splits", "attn_splits", "cluster", "merge_budget")}
+    tiling = DecodeTiling(**{k: kw.pop(k) for k in list(kw) if k in ("score_splits", "attn_splits", "cluster",
+                                                                     "merge_budget")})
     sel = dict(topk=topk, local_blocks=kw.pop("local_blocks", 1), init_blocks=kw.pop("init_blocks", 0))
     plan = plan_decode(cache.layer(0), batch=len(sids), nq=q.shape[1], num_heads=q.shape[2], width=meta.width,
-                       seq_lens=meta.seq_lens_host, page_table=meta.page_table_host, **sel, **plan_kw)
+                       seq_lens=meta.seq_lens_host, page_table=meta.page_table_host, **sel, tiling=tiling)
     o, lse, bi = msa_decode(q, qi, cache.layer(0), meta.page_table, meta.seq_lens, plan=plan, return_lse=True,
                             return_block_idx=True, backend="triton", **sel, **kw)
     ro, rlse, rbi = msa_decode_reference(q, qi, cache.layer(0), meta.page_table, meta.seq_lens_host, **sel, **kw)

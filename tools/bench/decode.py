@@ -1,10 +1,9 @@
 """GPU correctness check and benchmark of `msa_decode` (for the lead's GPU run; CUDA only).
 
     from tools.bench.decode import graph_check, check_and_bench, compile_report
-    graph_check()        # eager Triton vs reference, CUDA-graph capture / replay vs eager (+ pdl)
-    check_and_bench()    # launch sweep at 1M, then the table of benchmarks/decode.py
+    graph_check()        # eager Triton vs reference, CUDA-graph capture / replay vs eager
+    check_and_bench()    # the table of benchmarks/decode.py
     compile_report()     # no GPU needed: sm_90 compile of every kernel, registers / spills / smem
-    ab()                 # old (v1 scoring + combine kernel) vs new (plan_decode defaults), checked + timed
 
 Shape: one layer of M3 (Hq 64, G 4, D 128, Di 128, page = block 128, top-16), bf16 K/V, index
 keys bf16 or fp8 e4m3 (+ float32 per-token scales).  Baseline: dense decode through
@@ -178,8 +177,8 @@ def dense_ms(B: int, N: int, *, device: str = "cuda", flush: bool = True, read_f
     return out
 
 
-def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, plan_kw: dict | None = None,
-               flush: bool = True, detail: bool = True, read_flush: bool = False) -> dict:
+def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, flush: bool = True,
+               detail: bool = True, read_flush: bool = False) -> dict:
     """Times msa_decode (CUDA graph, cold and hot) and its selection phase alone (read_flush:
     also cold after a read-only flush, msa_read_ms, see _flush_fn)."""
     from msakit.ops.decode import msa_decode, plan_decode
@@ -193,14 +192,13 @@ def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, pl
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(B, nq, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
     qi = torch.randn(B, nq, G, DI, device="cuda", dtype=torch.bfloat16, generator=g)
-    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK, **(plan_kw or {}))
+    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK)
     fn = lambda: msa_decode(q, qi, pools, page_table, seq_lens, plan=plan)  # noqa: E731
     sel = lambda: launch(plan, q, qi, pools, page_table, seq_lens, 1 / math.sqrt(D), False, phases="select")  # noqa: E731
     fn()
     torch.cuda.synchronize()
     row = {"B": B, "N": N, "idx": idx, "nq": nq, "splits": plan.score_splits, "attn_splits": plan.attn_splits,
-           "pdl": plan.pdl, "score_stages": plan.score_stages,
-           "score_warps": plan.score_warps, "score_impl": plan.score_impl, "score_load": plan.score_load,
+           "score_stages": plan.score_stages, "score_warps": plan.score_warps, "score_impl": plan.score_impl,
            "fuse_combine": plan.fuse_combine}
     row["msa_ms"] = graph_ms(fn, flush=flush)
     row["floor_ms"] = floor_bytes(B, N, idx) / READ_BW * 1e3
@@ -216,89 +214,6 @@ def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, pl
         del pools, page_table, seq_lens
         torch.cuda.empty_cache()
     return row
-
-
-def _outputs(case, plan_kw: dict, nq: int = 1, graph: bool = True):
-    """(o, block_idx) of one msa_decode call, eager and (graph=True) replayed from a CUDA graph."""
-    from msakit.ops.decode import msa_decode, plan_decode
-
-    pools, page_table, seq_lens = case
-    B = page_table.shape[0]
-    g = torch.Generator(device="cuda").manual_seed(2)
-    q = torch.randn(B, nq, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    qi = torch.randn(B, nq, G, DI, device="cuda", dtype=torch.bfloat16, generator=g)
-    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK, **plan_kw)
-    step = lambda: msa_decode(q, qi, pools, page_table, seq_lens, plan=plan, return_block_idx=True)  # noqa: E731
-    o, bi = step()
-    res = [(o.clone(), bi.clone())]
-    if graph:
-        cg, (go, gbi) = _capture(step)
-        cg.replay()
-        torch.cuda.synchronize()
-        res.append((go.clone(), gbi.clone()))
-        del cg
-    return res
-
-
-def same_outputs(case, kw_a: dict, kw_b: dict, nq: int = 1) -> bool:
-    """Both launch configurations give bitwise-equal outputs, eager and under graph replay."""
-    ref = _outputs(case, kw_a, nq, graph=False)[0]
-    return all(torch.equal(o, ref[0]) and torch.equal(bi, ref[1]) for o, bi in _outputs(case, kw_b, nq))
-
-
-def tune(B: int = 1, N: int = 1 << 20, idx: str = "bf16") -> list[dict]:
-    """A small sweep of the scoring launch (programs per SM x stages x warps), then the best one
-    with programmatic dependent launch (pdl=True, kept
-    only when its outputs equal the default's, eager and under graph replay)."""
-    case = make_pools(B, N, idx=idx)
-    rows = []
-
-    def show(r):
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-
-    # num_stages: 3 keeps one index-key page in flight per program besides the one being scored
-    # (the page-table indirection takes a stage), 5 keeps two (Triton 3.6's pipeliner, checked
-    # on the sm_90 TTGIR); more programs per SM is the other way to put more bytes in flight.
-    for pps in (1, 2, 3, 4):
-        for stages in (3, 5):
-            for warps in (4, 8):
-                kw = dict(score_programs_per_sm=pps, score_stages=stages, score_warps=warps)
-                try:
-                    r = bench_case(B, N, idx=idx, pools=case, plan_kw=kw, detail=False)
-                except Exception as e:  # e.g. out of shared memory for a config
-                    r = {"B": B, "N": N, "idx": idx, "error": repr(e)[:300], "msa_ms": float("inf"),
-                         "score_stages": stages, "score_warps": warps, "pdl": False}
-                r.update(programs_per_sm=pps, pdl=False)
-                rows.append(r)
-                show(r)
-    best = min(rows, key=lambda r: r["msa_ms"])
-    base = dict(score_programs_per_sm=best["programs_per_sm"], score_stages=best["score_stages"],
-                score_warps=best["score_warps"])
-    for extra in (dict(pdl=True),):
-        kw = dict(base, **extra)
-        try:
-            ok = same_outputs(case, base, kw)
-            r = bench_case(B, N, idx=idx, pools=case, plan_kw=kw)
-            r.update(same_outputs=ok)
-        except Exception as e:
-            r = {"B": B, "N": N, "idx": idx, "error": repr(e)[:300], "msa_ms": float("inf"), "same_outputs": False}
-        r.update(programs_per_sm=best["programs_per_sm"], pdl=bool(extra.get("pdl", False)))
-        rows.append(r)
-        show(r)
-    del case
-    torch.cuda.empty_cache()
-    return rows
-
-
-def best_plan_kw(rows: list[dict]) -> dict:
-    """The fastest fused configuration of a tune() sweep (with pdl when it was correct and faster)."""
-    ok = [r for r in rows if "error" not in r and r.get("same_outputs", True)]
-    best = min(ok, key=lambda r: r["msa_ms"])
-    kw = dict(score_programs_per_sm=best["programs_per_sm"], score_stages=best["score_stages"],
-              score_warps=best["score_warps"])
-    if best.get("pdl"):
-        kw["pdl"] = True
-    return kw
 
 
 def _pools_bytes(B: int, N: int) -> int:
@@ -319,7 +234,7 @@ def _fits(nbytes: int) -> bool:
     return nbytes < 0.92 * free
 
 
-def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: int = 1, plan_kw: dict | None = None) -> list[dict]:
+def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: int = 1) -> list[dict]:
     rows = []
     for N in Ns:
         for B in Bs:
@@ -333,7 +248,7 @@ def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: in
             for idx in idxs:
                 case = make_pools(B, N, idx=idx, kv=kv)
                 kv = PagedLayer(k=case[0].k, v=case[0].v)
-                r = bench_case(B, N, idx=idx, nq=nq, pools=case, plan_kw=plan_kw)
+                r = bench_case(B, N, idx=idx, nq=nq, pools=case)
                 r.update(dense)
                 if dense:
                     r["speedup"] = dense["dense_ms"] / r["msa_ms"]
@@ -356,200 +271,23 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('speedup', nan):>8.2f} {r['vs_floor']:>7.2f} {r.get('select_GBps', nan):>8.0f}", flush=True)
 
 
-def check_and_bench(quick: bool = False, tune_first: bool = True) -> dict:
-    """The decode benchmark of the issue in one call (graph_check() is separate): a small launch
-    sweep at 1M, B=1 (tune), then M3 layer timings for B in {1, 8, 32} x N in {16K, 128K, 1M}
-    (bf16 and fp8 index keys, nq=1) against dense decode and the bytes floor, plus nq=4 at B=1."""
+def check_and_bench(quick: bool = False) -> dict:
+    """The decode benchmark of the issue in one call (graph_check() is separate): M3 layer timings
+    for B in {1, 8, 32} x N in {16K, 128K, 1M} (bf16 and fp8 index keys, nq=1) against dense
+    decode and the bytes floor, plus nq=4 at B=1."""
     out: dict = {}
-    kw = None
-    if tune_first:
-        out["tune"] = tune()
-        kw = best_plan_kw(out["tune"])
-        out["chosen"] = kw
-        print("chosen scoring launch:", kw, flush=True)
     Bs, Ns = ((1,), (16384, 1 << 20)) if quick else ((1, 8, 32), (16384, 131072, 1 << 20))
-    out["rows"] = run(Bs, Ns, plan_kw=kw)
-    out["rows_nq4"] = run((1,), (131072, 1 << 20), idxs=("bf16",), nq=4, plan_kw=kw)
+    out["rows"] = run(Bs, Ns)
+    out["rows_nq4"] = run((1,), (131072, 1 << 20), idxs=("bf16",), nq=4)
     print_table(out["rows"] + out["rows_nq4"])
     return out
 
 
-# ------------------------------------------------------------------------------------- old vs new
-# "old": the first measured configuration (v1 scoring with its tuned launch: 2 programs per SM,
-# 5 stages, 8 warps; the separate combine kernel); "new": plan_decode's defaults (v2 scoring,
-# tensor-map loads, fused combine).  The other variants isolate one knob of the new default each.
-OLD_KW = dict(score_impl="v1", fuse_combine=False, score_programs_per_sm=2, score_stages=5, score_warps=8)
-AB_VARIANTS = {
-    "old": OLD_KW,
-    "new": dict(score_impl="v2", fuse_combine=True),
-    "new+pdl": dict(score_impl="v2", fuse_combine=True, pdl=True),
-}
-# one knob of the new default each (ab(variants=AB_EXTRA) or names from both dicts)
-AB_EXTRA = {
-    "new cp.async": dict(score_impl="v2", score_load="cp"),
-    "new unfused": dict(score_impl="v2", fuse_combine=False),
-    "new 8 warps": dict(score_impl="v2", score_warps=8),
-    "new 3/SM": dict(score_impl="v2", score_programs_per_sm=3),
-    "new 1/SM": dict(score_impl="v2", score_programs_per_sm=1, score_stages=7),
-}
-
-
-def _ab_outputs(case, plan_kw: dict, nq: int) -> dict:
-    """One eager call and one CUDA-graph replay of msa_decode with plan_kw (workspace poisoned
-    before each): outputs, graph == eager, counters back to 0."""
-    from msakit.ops.decode import msa_decode, plan_decode
-
-    pools, page_table, seq_lens = case
-    B, dev = page_table.shape[0], page_table.device
-    g = torch.Generator(device=dev).manual_seed(2)
-    q = torch.randn(B, nq, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
-    qi = torch.randn(B, nq, G, DI, device=dev, dtype=torch.bfloat16, generator=g)
-    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK, **plan_kw)
-    step = lambda: msa_decode(q, qi, pools, page_table, seq_lens, plan=plan, return_lse=True,  # noqa: E731
-                              return_block_idx=True, backend="triton")
-    _poison(plan)
-    o, lse, bi = (x.clone() for x in step())
-    if dev.type != "cuda":  # (the CPU dry run of the tests: no graph)
-        counters = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
-        return {"o": o, "lse": lse, "bi": bi, "q": q, "qi": qi, "graph_equal": True, "counters_zero": counters}
-    cg, (go, glse, gbi) = _capture(step)
-    _poison(plan)
-    cg.replay()
-    torch.cuda.synchronize()
-    graph_equal = bool(torch.equal(go, o) and torch.equal(glse, lse) and torch.equal(gbi, bi))
-    counters = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
-    del cg
-    return {"o": o, "lse": lse, "bi": bi, "q": q, "qi": qi, "graph_equal": graph_equal, "counters_zero": counters}
-
-
-def _compare(out: dict, ref_o, ref_lse, ref_bi) -> dict:
-    rel = float((out["o"].double() - ref_o.double()).norm() / ref_o.double().norm().clamp_min(1e-30))
-    fin = torch.isfinite(ref_lse)
-    lerr = float((out["lse"] - ref_lse)[fin].abs().max()) if bool(fin.any()) else 0.0
-    return {"sel_agree": _set_agreement(out["bi"], ref_bi), "o_rel_err": rel, "lse_max_err": lerr}
-
-
-def ab(Ns=(16384, 131072, 1 << 20), Bs=(1, 8), idxs=("bf16", "fp8"), variants=None, nq: int = 1,
-       dense: bool = True, read_flush: bool = True, reference_max_tokens: int = 1 << 20,
-       out_dir: str | None = None) -> list[dict]:
-    """Old vs new msa_decode on the GPU: for every (N, B, index-key dtype) the variants of
-    AB_VARIANTS (or `variants`, names from it or {name: plan_kw}) are checked and timed.
-
-    Check (per variant): an eager call and a CUDA-graph replay with the workspace poisoned
-    before each (graph == eager bitwise, merge / combine counters back to 0), selection set
-    agreement and o / lse error against the "old" variant and, for B * N <= reference_max_tokens,
-    against msa_decode_reference.  ok: graph == eager, counters 0, agreement >= 0.999 with old
-    and the reference, o rel err < 1e-2, lse err < 1e-2.  Timing: bench_case (cold = 256 MiB
-    write flush before each call, hot, selection phase alone; read_flush adds cold after a
-    read-only flush) and dense SDPA (flash) for the speedup.  Prints one row per variant and a
-    table at the end; returns the rows (also written to out_dir/decode_ab.json after every row
-    when out_dir is given, e.g. os.environ["OUT"])."""
-    from msakit.ops.decode import msa_decode_reference
-
-    if variants is None:
-        variants = dict(AB_VARIANTS)
-    elif not isinstance(variants, dict):
-        variants = {v: {**AB_VARIANTS, **AB_EXTRA}[v] for v in variants}
-    variants = dict(variants)
-    if "old" not in variants:
-        variants = {"old": OLD_KW, **variants}
-    rows = []
-    for N in Ns:
-        for B in Bs:
-            dn = {}
-            if dense and _fits(int(B * G * N * D * 2 * 2 * 1.05)):
-                dn = dense_ms(B, N, read_flush=read_flush)
-            if _skip_unfit(B, N):
-                continue
-            kv = None
-            for idx in idxs:
-                case = make_pools(B, N, idx=idx, kv=kv)
-                kv = PagedLayer(k=case[0].k, v=case[0].v)
-                outs = {}
-                ref = None
-                for name, kw in variants.items():
-                    row = {"variant": name}
-                    try:
-                        out = outs[name] = _ab_outputs(case, kw, nq)
-                        if ref is None and B * N <= reference_max_tokens:
-                            ro, rlse, rbi = msa_decode_reference(out["q"], out["qi"], case[0], case[1],
-                                                                 case[2].tolist(), topk=TOPK)
-                            ref = (ro, rlse, rbi)
-                        vs_old = _compare(out, outs["old"]["o"], outs["old"]["lse"], outs["old"]["bi"])
-                        row.update({f"{k}_vs_old": v for k, v in vs_old.items()})
-                        row.update(graph_equal=out["graph_equal"], counters_zero=out["counters_zero"])
-                        ok = out["graph_equal"] and out["counters_zero"] and vs_old["sel_agree"] >= 0.999 and \
-                            vs_old["o_rel_err"] < 1e-2 and vs_old["lse_max_err"] < 1e-2
-                        if ref is not None:
-                            vs_ref = _compare(out, *ref)
-                            row.update({f"{k}_vs_ref": v for k, v in vs_ref.items()})
-                            ok = ok and vs_ref["sel_agree"] >= 0.999 and vs_ref["o_rel_err"] < 1e-2 and \
-                                vs_ref["lse_max_err"] < 1e-2
-                        row["ok"] = bool(ok)
-                        row.update(bench_case(B, N, idx=idx, nq=nq, pools=case, plan_kw=kw, read_flush=read_flush))
-                    except Exception as e:  # keep going: the table shows the failure
-                        row.update(B=B, N=N, idx=idx, nq=nq, ok=False, error=repr(e)[:300])
-                    row.update(dn)
-                    if dn and "msa_ms" in row:
-                        row["speedup"] = dn["dense_ms"] / row["msa_ms"]
-                        if "dense_read_ms" in dn and "msa_read_ms" in row:
-                            row["speedup_read"] = dn["dense_read_ms"] / row["msa_read_ms"]
-                    rows.append(row)
-                    print({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-                    if out_dir:
-                        import json
-                        import os
-
-                        os.makedirs(out_dir, exist_ok=True)
-                        with open(os.path.join(out_dir, "decode_ab.json"), "w") as f:
-                            json.dump({"variants": {k: dict(v) for k, v in variants.items()}, "rows": rows}, f,
-                                      indent=1, default=str)
-                for out in outs.values():
-                    out.clear()
-                del case, outs, ref
-                torch.cuda.empty_cache()
-            del kv
-            torch.cuda.empty_cache()
-    print_ab(rows)
-    return rows
-
-
-def print_ab(rows: list[dict]) -> None:
-    nan = float("nan")
-    print(f"\n{'B':>2} {'N':>8} {'idx':>4} {'variant':>13} {'ok':>3} {'msa ms':>8} {'hot ms':>7} {'read ms':>7} "
-          f"{'sel ms':>7} {'sel GB/s':>8} {'floor':>7} {'x floor':>7} {'dense':>7} {'speedup':>7} {'spd rd':>6} "
-          f"{'vs old':>6} {'agree':>6} {'o err':>8}")
-    old = {(r["B"], r["N"], r["idx"]): r.get("msa_ms") for r in rows if r["variant"] == "old"}
-    for r in rows:
-        if "msa_ms" not in r:
-            print(f"{r['B']:>2} {r['N']:>8} {r['idx']:>4} {r['variant']:>13}  ERROR {r.get('error', '')}")
-            continue
-        base = old.get((r["B"], r["N"], r["idx"]))
-        us = {k: r.get(k, nan) * 1e3
-              for k in ("msa_ms", "msa_hot_ms", "msa_read_ms", "select_ms", "floor_ms", "dense_ms")}
-        agree = r.get("sel_agree_vs_ref", r.get("sel_agree_vs_old", nan))
-        err = r.get("o_rel_err_vs_ref", r.get("o_rel_err_vs_old", nan))
-        print(f"{r['B']:>2} {r['N']:>8} {r['idx']:>4} {r['variant']:>13} {'yes' if r['ok'] else 'NO':>3} "
-              f"{us['msa_ms']:>6.1f}us {us['msa_hot_ms']:>5.1f}us {us['msa_read_ms']:>5.1f}us "
-              f"{us['select_ms']:>5.1f}us {r.get('select_GBps', nan):>8.0f} {us['floor_ms']:>5.1f}us "
-              f"{r['vs_floor']:>7.2f} {us['dense_ms']:>5.0f}us {r.get('speedup', nan):>7.2f} "
-              f"{r.get('speedup_read', nan):>6.2f} {(base / r['msa_ms']) if base else nan:>6.2f} {agree:>6.4f} "
-              f"{err:>8.1e}", flush=True)
-
-
 # ------------------------------------------------------------------------------------- checks
-GRAPH_CHECK_KW = (
-    {},  # the defaults: v2 scoring (tensor-map loads), fused merges, fused combine
-    dict(fuse_combine=False, score_load="cp"),
-    dict(score_impl="v1", fuse_combine=False),  # the bf16 default
-)
-
-
 def graph_check(small: bool = False, device: str = "cuda") -> dict:
     """Eager Triton vs the reference, and CUDA-graph capture / replay vs eager (also after the
-    lengths, the page tables and the queries change), for bf16 and fp8 index keys, nq 1 and 4,
-    the plan variants of GRAPH_CHECK_KW (v2 / v1 scoring, cp.async / TMA loads and
-    combine).  Returns {"ok": bool, "cases": [...]}."""
+    lengths, the page tables and the queries change), for bf16 index keys (v1 scoring, combine
+    kernel) and fp8 ones (v2 scoring, fused combine), nq 1 and 4.  Returns {"ok": bool, "cases": [...]}."""
     from msakit.cache import PagedKVCache
 
     from msakit.ops.decode import msa_decode, msa_decode_reference, plan_decode
@@ -574,68 +312,59 @@ def graph_check(small: bool = False, device: str = "cuda") -> dict:
         pools = cache.layer(0)
         live = [s for s, L in zip(sids, lens) if L]
         for nq in (1, 4):
-            for kw in GRAPH_CHECK_KW:
-                meta = cache.decode_metadata(sids, width=width)
-                B = len(sids)
-                plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=width, topk=TOPK, **kw,
-                                   seq_lens=meta.seq_lens_host, page_table=meta.page_table_host)
-                qs = torch.randn(B, nq, HQ, D, device=device, dtype=torch.bfloat16)
-                qis = torch.randn(B, nq, G, DI, device=device, dtype=torch.bfloat16)
+            meta = cache.decode_metadata(sids, width=width)
+            B = len(sids)
+            plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=width, topk=TOPK,
+                               seq_lens=meta.seq_lens_host, page_table=meta.page_table_host)
+            qs = torch.randn(B, nq, HQ, D, device=device, dtype=torch.bfloat16)
+            qis = torch.randn(B, nq, G, DI, device=device, dtype=torch.bfloat16)
 
-                def step():
-                    return msa_decode(qs, qis, pools, meta.page_table, meta.seq_lens, plan=plan, return_lse=True,
-                                      return_block_idx=True)
+            def step():
+                return msa_decode(qs, qis, pools, meta.page_table, meta.seq_lens, plan=plan, return_lse=True,
+                                  return_block_idx=True)
 
-                rec = {"idx": idx, "nq": nq, "plan_kw": kw}
-                for phase in ("first", "grown"):
-                    _poison(plan)
-                    o, lse, bi = step()
-                    o, lse, bi = o.clone(), lse.clone(), bi.clone()
-                    ro, rlse, rbi = msa_decode_reference(qs, qis, pools, meta.page_table, meta.seq_lens_host, topk=TOPK)
-                    same = _set_agreement(bi, rbi)
-                    written = bool((bi != -7).all() and torch.isfinite(o).all())
-                    err = float((o.float() - ro.float()).abs().max())
-                    rel = float((o.double() - ro.double()).norm() / ro.double().norm().clamp_min(1e-30))
-                    lerr = float((lse - rlse)[torch.isfinite(rlse)].abs().max())
-                    if phase == "first":
-                        g = torch.cuda.CUDAGraph()
-                        s = torch.cuda.Stream()
-                        s.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(s):
-                            step()
-                        torch.cuda.current_stream().wait_stream(s)
-                        with torch.cuda.graph(g):
-                            go, glse, gbi = step()
-                    _poison(plan)
-                    g.replay()
-                    torch.cuda.synchronize()
-                    graph_equal = bool(torch.equal(go, o) and torch.equal(gbi, bi) and torch.equal(glse, lse))
-                    counters_zero = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
-                    rec[phase] = dict(selection_agreement=same, o_rel_err=rel, o_max_err=err, lse_max_err=lerr,
-                                      all_written=written, graph_equals_eager=graph_equal, counters_zero=counters_zero)
-                    ok &= (same >= 0.995 and rel < 1e-2 and lerr < 1e-2 and written and graph_equal
-                           and counters_zero)
-                    if phase == "first":
-                        # grow every live sequence by nq + 5 tokens, new queries, refill the static metadata
-                        for sid in live:
-                            n = nq + 5
-                            cache.append(sid, torch.randn(n, G, D, device=device), torch.randn(n, G, D, device=device),
-                                         torch.randn(n, DI, device=device))
-                        cache.decode_metadata(sids, out=meta)
-                        qs.copy_(torch.randn_like(qs))
-                        qis.copy_(torch.randn_like(qis))
-                del g
-                cases.append(rec)
-                print(rec, flush=True)
-    res = {"ok": bool(ok), "cases": cases}
-    try:  # programmatic dependent launch (optional, plan_decode(pdl=True)): same outputs?
-        case = make_pools(2, 20000 if not small else 3000, idx="bf16")
-        res["pdl_same_outputs"] = {f"nq={nq}": same_outputs(case, {}, {"pdl": True}, nq) for nq in (1, 4)}
-        del case
-    except Exception as e:
-        res["pdl_same_outputs"] = repr(e)[:300]
-    print("pdl:", res["pdl_same_outputs"], flush=True)
-    return res
+            rec = {"idx": idx, "nq": nq, "score_impl": plan.score_impl}
+            for phase in ("first", "grown"):
+                _poison(plan)
+                o, lse, bi = step()
+                o, lse, bi = o.clone(), lse.clone(), bi.clone()
+                ro, rlse, rbi = msa_decode_reference(qs, qis, pools, meta.page_table, meta.seq_lens_host, topk=TOPK)
+                same = _set_agreement(bi, rbi)
+                written = bool((bi != -7).all() and torch.isfinite(o).all())
+                err = float((o.float() - ro.float()).abs().max())
+                rel = float((o.double() - ro.double()).norm() / ro.double().norm().clamp_min(1e-30))
+                lerr = float((lse - rlse)[torch.isfinite(rlse)].abs().max())
+                if phase == "first":
+                    g = torch.cuda.CUDAGraph()
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        step()
+                    torch.cuda.current_stream().wait_stream(s)
+                    with torch.cuda.graph(g):
+                        go, glse, gbi = step()
+                _poison(plan)
+                g.replay()
+                torch.cuda.synchronize()
+                graph_equal = bool(torch.equal(go, o) and torch.equal(gbi, bi) and torch.equal(glse, lse))
+                counters_zero = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
+                rec[phase] = dict(selection_agreement=same, o_rel_err=rel, o_max_err=err, lse_max_err=lerr,
+                                  all_written=written, graph_equals_eager=graph_equal, counters_zero=counters_zero)
+                ok &= (same >= 0.995 and rel < 1e-2 and lerr < 1e-2 and written and graph_equal
+                       and counters_zero)
+                if phase == "first":
+                    # grow every live sequence by nq + 5 tokens, new queries, refill the static metadata
+                    for sid in live:
+                        n = nq + 5
+                        cache.append(sid, torch.randn(n, G, D, device=device), torch.randn(n, G, D, device=device),
+                                     torch.randn(n, DI, device=device))
+                    cache.decode_metadata(sids, out=meta)
+                    qs.copy_(torch.randn_like(qs))
+                    qis.copy_(torch.randn_like(qis))
+            del g
+            cases.append(rec)
+            print(rec, flush=True)
+    return {"ok": bool(ok), "cases": cases}
 
 
 def _poison(plan) -> None:
@@ -678,24 +407,23 @@ def compile_report(arch: int = 90) -> list[dict]:
         return row
 
     rows = []
-    for idx in ("bf16", "fp8"):
+    for idx in ("bf16", "fp8"):  # v1 scores bf16 index keys, v2 fp8 ones
         for nq in (1, 8):
             mr = triton.next_power_of_2(nq * G)
-            sig = dict(qi_ptr="*bf16", kidx_ptr="*fp8e4nv" if idx == "fp8" else "*bf16", kscale_ptr="*fp32",
-                       pt_ptr="*i32", pt_stride="i32", sl_ptr="*i32", cand_ptr="*i64", cand2_ptr="*i64",
-                       cnt1_ptr="*i32", cnt2_ptr="*i32", bidx_ptr="*i32", S="i32", NC="i32")
+            sig = dict(qi_ptr="*bf16", pt_ptr="*i32", pt_stride="i32", sl_ptr="*i32", cand_ptr="*i64",
+                       cand2_ptr="*i64", cnt1_ptr="*i32", cnt2_ptr="*i32", bidx_ptr="*i32", S="i32", NC="i32")
             consts = dict(NQ=nq, G=G, DI=DI, PS=PS, TOPK=TOPK, KP=16, MP=max(16, mr), MR=mr, LOCAL=1, INIT=0,
-                          IDX_FP8=idx == "fp8", CODE=0, CL=16, NC_PAD=16,
-                          RB1=K._rows_per_merge(mr, 256), RB2=K._rows_per_merge(mr, 256), NUM_STAGES=5, USE_PDL=False)
-            rows.append(build(f"score v1 {idx} nq={nq}", K._score_kernel, sig, consts, num_warps=4, num_stages=5))
-            kd = "fp8e4nv" if idx == "fp8" else "bf16"
-            stages = 7 if idx == "fp8" else 5
-            for tma in (True, False):
-                sig2 = dict(sig, kdesc=f"tensordesc<{kd}[{PS}, {DI}]>" if tma else "*i32", bmax_ptr="*fp32", W="i32")
-                consts2 = {k: v for k, v in consts.items() if k != "NUM_STAGES"}
-                consts2.update(CODE=3 if idx == "fp8" else 0, TMA=tma, PCH=32, NUM_STAGES=stages)
-                rows.append(build(f"score v2 {idx} nq={nq} {'tma' if tma else 'cp.async'}", K._score2_kernel,
-                                  sig2, consts2, num_warps=4, num_stages=stages))
+                          CL=16, NC_PAD=16, RB1=K._rows_per_merge(mr, 256), RB2=K._rows_per_merge(mr, 256))
+            if idx == "bf16":
+                rows.append(build(f"score v1 {idx} nq={nq}", K._score_kernel, dict(sig, kidx_ptr="*bf16"),
+                                  dict(consts, CODE=0, NUM_STAGES=5), num_warps=8, num_stages=5))
+            else:
+                for tma in (True, False):
+                    sig2 = dict(sig, kidx_ptr="*fp8e4nv", kscale_ptr="*fp32", bmax_ptr="*fp32", W="i32",
+                                kdesc=f"tensordesc<fp8e4nv[{PS}, {DI}]>" if tma else "*i32")
+                    rows.append(build(f"score v2 {idx} nq={nq} {'tma' if tma else 'pointer loads'}", K._score2_kernel,
+                                      sig2, dict(consts, CODE=3, TMA=tma, PCH=32, NUM_STAGES=7), num_warps=4,
+                                      num_stages=7))
             hpg = HQ // G
             qc = min(nq, 128 // hpg)
             ma = max(16, triton.next_power_of_2(qc * hpg))
@@ -703,10 +431,9 @@ def compile_report(arch: int = 90) -> list[dict]:
             sig = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", pt_ptr="*i32",
                        pt_stride="i32", sl_ptr="*i32", bidx_ptr="*i32", op_ptr="*fp32", lp_ptr="*fp32",
                        o_ptr="*bf16", lse_ptr="*fp32", cnt3_ptr="*i32", qk_scale="fp32", NSA="i32")
-            if idx == "bf16":
-                for fuse in (False, True):
-                    consts = dict(NQ=nq, G=G, HPG=hpg, D=D, PS=PS, TOPK=TOPK, KP=16, QC=qc, NQC=-(-nq // qc), MA=ma,
-                                  KV_FP8=False, CODE=0, USE_PDL=False, FUSE_COMBINE=fuse, NSA_PAD=16, RETURN_LSE=False)
-                    rows.append(build(f"attn nq={nq}{' fused combine' if fuse else ''}", K._attn_kernel, sig, consts,
-                                      num_warps=4 if ma <= 64 else 8, num_stages=1))
+            fuse = idx == "fp8"  # the combine kernel follows v1, the fused combine v2
+            consts = dict(NQ=nq, G=G, HPG=hpg, D=D, PS=PS, TOPK=TOPK, KP=16, QC=qc, NQC=-(-nq // qc), MA=ma,
+                          KV_FP8=False, CODE=0, FUSE_COMBINE=fuse, NSA_PAD=16, RETURN_LSE=False)
+            rows.append(build(f"attn nq={nq}{' fused combine' if fuse else ''}", K._attn_kernel, sig, consts,
+                              num_warps=4 if ma <= 64 else 8, num_stages=1))
     return rows

@@ -34,14 +34,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_positive_int
 from ..dispatch import use_triton
 from ..index_topk import check_selection
 from .reference import FP8, PagedLayer, gather_sequence, msa_decode_reference
 
-__all__ = ["msa_decode", "plan_decode", "DecodePlan", "PagedLayer", "msa_decode_reference", "gather_sequence", "MAX_NQ"]
+__all__ = ["msa_decode", "plan_decode", "DecodePlan", "DecodeTiling", "PagedLayer", "msa_decode_reference", "gather_sequence", "MAX_NQ"]
 
 MAX_NQ = 8
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+SCORE_PROGRAMS_PER_SM = 2  # scoring programs per SM over the batch (default score_splits)
+MIN_PAGES_PER_SPLIT = 4  # fewer, longer splits below this: fewer lists to merge
 
 
 def _pow2(x: int) -> int:
@@ -52,9 +55,44 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class DecodeTiling:
+    """How `msa_decode` cuts one call's work; a None field is chosen from the device and the
+    shapes by `plan_decode`.  Tests set fields to reach, at small shapes, the code paths that the
+    defaults take at large ones (two merge levels, row-chunked merges, a chunked final top-k).
+
+    score_splits: splits of each sequence's pages in the scoring grid (at most 512; above 32 cut
+    to a multiple of 16).  cluster: split lists merged by the last split of a cluster to finish (a
+    power of two; default one merge level up to 32 lists, else clusters of 16 and a second level).
+    attn_splits: splits of a (sequence, group, query chunk)'s selection entries in the attention
+    grid.  merge_budget: int64 keys (rows x lists x topk) of one selection-merge tile.
+    end_chunk: pages per chunk of the v2 scoring's final top-k pass (a power of two, raised to the
+    top-k; one value for every shape keeps the number of compiled variants small)."""
+
+    score_splits: int | None = None
+    cluster: int | None = None
+    attn_splits: int | None = None
+    merge_budget: int = 4096
+    end_chunk: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("score_splits", "cluster", "attn_splits", "merge_budget", "end_chunk"):
+            val = getattr(self, name)
+            if val is None and name in ("score_splits", "cluster", "attn_splits"):
+                continue
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"DecodeTiling.{name} must be a positive integer, got {val!r}")
+        if self.cluster is not None and self.cluster & (self.cluster - 1):
+            raise ValueError(f"DecodeTiling.cluster must be a power of two, got {self.cluster}")
+
+
 @dataclass
 class DecodePlan:
-    """Launch shapes and workspace of msa_decode for one (batch, nq, model shape, width)."""
+    """Launch shapes and workspace of msa_decode for one (batch, nq, model shape, width).
+
+    score_impl: "v1" (bf16 / fp16 / fp32 index keys: a running top-k per page, then the
+    combine kernel) or "v2" (fp8 index keys: the page as the MMA's M dimension, block maxima
+    then one top-k per split, the last attention split merging the partials: fuse_combine)."""
 
     batch: int
     nq: int
@@ -69,7 +107,6 @@ class DecodePlan:
     init_blocks: int
     score_splits: int
     score_impl: str
-    score_load: str
     pch: int
     cluster: int
     num_clusters: int
@@ -82,7 +119,6 @@ class DecodePlan:
     mr: int
     kp: int
     fuse_combine: bool
-    pdl: bool
     score_warps: int
     score_stages: int
     attn_warps: int
@@ -176,51 +212,29 @@ def plan_decode(
     init_blocks: int = 0,
     seq_lens=None,
     page_table: torch.Tensor | None = None,
-    pdl: bool = False,
-    score_impl: str | None = None,
-    score_load: str = "auto",
-    fuse_combine: bool | None = None,
-    score_splits: int | None = None,
-    attn_splits: int | None = None,
-    cluster: int | None = None,
-    merge_budget: int = 4096,
-    score_programs_per_sm: int | None = None,
-    min_pages_per_split: int = 4,
-    score_stages: int | None = None,
-    score_warps: int | None = None,
-    end_chunk: int = 32,
-    num_sms: int | None = None,
+    tiling: DecodeTiling | None = None,
 ) -> DecodePlan:
     """Validate host-side metadata and allocate the workspace of msa_decode (outside capture).
 
     width: the page-table width (max pages per sequence) the plan will serve.  seq_lens (list or
-    CPU tensor) and page_table (CPU tensor), when given, are checked (ValueError).  The tuning
-    arguments (splits, stages, warps) default to the H200 choice; pdl=True
-    launches the attention and combine grids with programmatic dependent launch (Hopper: their
-    launch overlaps the previous grid's tail; they wait in griddepcontrol.wait).
-
-    score_impl: None (default) picks by the index keys' dtype as measured on the H200
-    (benchmarks/NOTES.md): "v1" with 8 warps and the combine kernel for bf16 / fp16 keys (91.9 us
-    at 1M against v2's 93.6), "v2" with the fused combine for fp8 keys (68.2 us against v1's 89.9).
-    "v2": the scoring kernel with the page as the MMA's M dimension (wgmma
-    on Hopper), fp8 index keys scored as exact fp16 tensor-core products, block maxima to a
-    scratch and the split's top-k built once after its pages; "v1" the previous kernel (a
-    running top-k per page; its defaults: 2 programs per SM, 5 stages, 4 warps).  score_load
-    (v2): "tma" (tensor-map loads of the index-key pages), "cp" (cp.async pointer loads) or
-    "auto" (tma on CUDA when the pool qualifies).  end_chunk (v2): pages per chunk of the split's
-    final top-k pass (a power of 2, raised to the top-k; one value for every shape keeps the
-    number of compiled variants small).  fuse_combine: the last attention split of each
-    (sequence, group, query chunk) to finish merges the split partials (an atomic counter,
-    "last arriver") instead of a third launch (False: the combine kernel)."""
+    CPU tensor) and page_table (CPU tensor), when given, are checked (ValueError).  The scoring
+    kernel follows the index keys' dtype: "v1" for bf16 / fp16 / fp32 keys (8 warps, 5 stages, the
+    combine kernel), "v2" for fp8 keys (4 warps, 7 stages, the fused combine); the v2 kernel reads
+    the key pages through a tensor map when the pool allows one (`triton._tma_ok`), else by
+    pointer loads.  tiling: `DecodeTiling` (default: ~2 scoring programs per SM and at least
+    MIN_PAGES_PER_SPLIT pages per split, ~2 attention programs per SM)."""
     _check_pools(pools)
     check_selection(pools.page_size, topk, local_blocks, init_blocks)
     for name, val in (("batch", batch), ("nq", nq), ("num_heads", num_heads), ("width", width)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        check_positive_int(name, val)
     if nq > MAX_NQ:
         raise ValueError(f"nq = {nq} new queries per sequence: msa_decode takes 1..{MAX_NQ}")
     if topk > 64:
         raise ValueError(f"topk = {topk}: msa_decode supports topk <= 64")
+    if tiling is None:
+        tiling = DecodeTiling()
+    elif not isinstance(tiling, DecodeTiling):
+        raise ValueError(f"tiling must be a DecodeTiling or None, got {type(tiling).__name__}")
     G, D, Di, ps = pools.num_kv_heads, pools.head_dim, pools.index_dim, pools.page_size
     if num_heads % G:
         raise ValueError(f"num_heads = {num_heads} must be a multiple of the pools' kv heads G = {G}")
@@ -240,42 +254,25 @@ def plan_decode(
                 raise ValueError(f"page_table must be [batch={batch}, width], got {tuple(table.shape)}")
         _check_host_values(lens, table, nq, ps, pools.num_pages, width if table is None else table.shape[1])
     dev = pools.k.device
-    if score_impl is None:
-        score_impl = "v2" if pools.index_fp8 else "v1"
-        if score_impl == "v1" and score_warps is None:
-            score_warps = 8
-    if fuse_combine is None:
-        fuse_combine = score_impl == "v2"
-    if score_impl not in ("v1", "v2"):
-        raise ValueError(f"score_impl must be 'v1' or 'v2', got {score_impl!r}")
-    if score_load not in ("auto", "tma", "cp"):
-        raise ValueError(f"score_load must be 'auto', 'tma' or 'cp', got {score_load!r}")
-    elt = 1 if pools.index_fp8 else pools.k_idx.element_size()
-    if score_impl == "v1":
-        score_programs_per_sm = 2 if score_programs_per_sm is None else score_programs_per_sm
-        score_stages = 5 if score_stages is None else score_stages
-        score_warps = 4 if score_warps is None else score_warps
-    else:  # Triton 3.6 on sm_90 keeps 3 index-key pages in shared memory at 5 stages for bf16 (96 KiB:
-        # two programs per SM) and 3 at 7 stages for fp8 (48 KiB; the page table takes the other stages)
-        score_programs_per_sm = 2 if score_programs_per_sm is None else score_programs_per_sm
-        score_stages = (7 if elt == 1 else 5) if score_stages is None else score_stages
-        score_warps = 4 if score_warps is None else score_warps
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    if score_splits is None:  # ~2 programs per SM, but >= min_pages_per_split pages each (fewer merge levels)
-        score_splits = min(_cdiv(score_programs_per_sm * num_sms, batch), _cdiv(width, min_pages_per_split))
-    S = max(1, min(int(score_splits), width, 512))
+    v2 = pools.index_fp8
+    score_warps, score_stages = (4, 7) if v2 else (8, 5)
+    elt = 1 if v2 else pools.k_idx.element_size()
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    S = tiling.score_splits
+    if S is None:
+        S = min(_cdiv(SCORE_PROGRAMS_PER_SM * num_sms, batch), _cdiv(width, MIN_PAGES_PER_SPLIT))
+    S = max(1, min(int(S), width, 512))
     if S > 32:  # whole clusters of 16 split lists: 264 -> 256 (both merge levels then take 16 lists)
         S -= S % 16
+    cluster = tiling.cluster
     if cluster is None:  # one merge level up to 32 split lists, else clusters of 16 then one more level
         cluster = _pow2(S) if S <= 32 else 16
-    if cluster < 1 or cluster & (cluster - 1):
-        raise ValueError(f"cluster must be a power of two, got {cluster}")
     S = min(S, cluster * 64)
     NC = _cdiv(S, cluster)
     qc = max(1, min(nq, 128 // hpg))
     nqc = _cdiv(nq, qc)
     E = qc * topk
+    attn_splits = tiling.attn_splits
     if attn_splits is None:
         attn_splits = min(64, _cdiv(2 * num_sms, batch * G * nqc))
     NSA = max(1, min(int(attn_splits), E))
@@ -283,18 +280,16 @@ def plan_decode(
     mr = _pow2(nq * G)
     mp = max(16, mr)
     kp = _pow2(topk)
-    stages = max(1, min(score_stages, (160 * 1024) // (ps * Di * elt) + (2 if score_impl == "v2" else 0)))
-    pch = max(kp, _pow2(end_chunk))
-    if score_load == "auto":
-        score_load = "tma" if dev.type == "cuda" else "cp"
+    # Triton 3.6 on sm_90 keeps 3 fp8 index-key pages in shared memory at 7 stages for v2 (48 KiB;
+    # the page table takes the other stages)
+    stages = max(1, min(score_stages, (160 * 1024) // (ps * Di * elt) + (2 if v2 else 0)))
     i64, i32, f32 = torch.int64, torch.int32, torch.float32
     return DecodePlan(
         batch=batch, nq=nq, num_heads=num_heads, num_kv_heads=G, head_dim=D, index_dim=Di, page_size=ps,
         width=width, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, score_splits=S,
-        score_impl=score_impl, score_load=score_load, pch=pch,
-        cluster=cluster, num_clusters=NC, merge_budget=merge_budget, attn_splits=NSA, qc=qc, nqc=nqc, ma=ma, mp=mp, mr=mr, kp=kp,
-        fuse_combine=bool(fuse_combine), pdl=bool(pdl), score_warps=score_warps,
-        score_stages=stages,
+        score_impl="v2" if v2 else "v1", pch=max(kp, _pow2(tiling.end_chunk)),
+        cluster=cluster, num_clusters=NC, merge_budget=tiling.merge_budget, attn_splits=NSA, qc=qc, nqc=nqc,
+        ma=ma, mp=mp, mr=mr, kp=kp, fuse_combine=v2, score_warps=score_warps, score_stages=stages,
         attn_warps=4 if ma <= 64 else 8, device=dev,
         cand=torch.empty(batch, S, mr, kp, dtype=i64, device=dev),
         cand2=torch.empty(batch, NC, mr, kp, dtype=i64, device=dev),
@@ -303,7 +298,7 @@ def plan_decode(
         block_idx=torch.empty(batch, G, nq, topk, dtype=i32, device=dev),
         o_part=torch.empty(batch, G, nqc, NSA, ma, D, dtype=f32, device=dev),
         lse_part=torch.empty(batch, G, nqc, NSA, ma, dtype=f32, device=dev),
-        bmax=torch.empty(batch, width, mr, dtype=f32, device=dev) if score_impl == "v2" else None,
+        bmax=torch.empty(batch, width, mr, dtype=f32, device=dev) if v2 else None,
         cnt3=torch.zeros(batch, G, nqc, dtype=i32, device=dev),
     )
 
@@ -393,6 +388,9 @@ def msa_decode(
     if plan.key()[:7] != want or plan.device != q.device:
         raise ValueError(f"plan was made for (batch, nq, Hq, G, D, Di, page_size) = {plan.key()[:7]} on "
                          f"{plan.device}, got {want} on {q.device}")
+    if plan.score_impl != ("v2" if pools.index_fp8 else "v1"):
+        raise ValueError(f"plan was made for {'fp8' if plan.score_impl == 'v2' else '16-bit / fp32'} index keys, "
+                         f"but pools.k_idx is {pools.k_idx.dtype}")
     dev = q.device
     if lens is not None:
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)

@@ -1,8 +1,9 @@
 """Triton kernels of `msa_decode` (batched, split-K, no host sync, CUDA-graph capturable).
 
-Three launches per call (two with fuse_combine):
+Three launches per call with v1 scoring, two with v2 (`plan_decode` picks by the index keys'
+dtype: v1 for bf16 / fp16 / fp32, v2 for fp8):
 
-1. `_score_kernel`, grid (S, B): split s of sequence b scores the pages
+1. `_score_kernel` (v1), grid (S, B): split s of sequence b scores the pages
    [s * n / S, (s + 1) * n / S) of its n = ceil(L / page_size) pages.  One read of an
    index-key page [page_size, Di] serves every (query, group) row at once: the nq * G index
    queries are the rows of one [MP, Di] tile (MP = nq * G padded to 16), S = Q @ K^T on the
@@ -16,47 +17,32 @@ Three launches per call (two with fuse_combine):
    cluster to finish (an atomic counter, acq_rel, after a CTA barrier) merges the cluster's
    CL lists into one (cand2 [B, NC, MR, KP]); the last cluster of a sequence merges the NC
    cluster lists into the final selection block_idx [B, G, nq, topk] (descending score, forced
-   first, -1 padded).  The merges are tl.topk's bitonic merge-and-halve stages on the presorted
-   lists (no serial rounds).  The counters return to 0 for the next call.
-1'. `_score2_kernel` (plan score_impl="v2": the default for fp8 index keys; bf16 / fp16 keys
-   default to v1, `plan_decode`), same grid and selection merges: the
-   page is the MMA's M dimension, S^T [PS, MP] = K [PS, Di] @ Q^T [Di, MP] (on Hopper a
-   wgmma with the key tile straight from shared memory: no per-page register round trip of the
-   tile; loads through a tensor map (score_load="tma") or cp.async), fp8 keys are scored as
-   fp16 tensor-core products with the query pre-scaled by a power of 2 per row (e4m3 -> fp16
-   is one cheap unpack per 2 values, where v1's e4m3 -> fp16 -> bf16 path spent a
-   quarter-rate F2F per value: that conversion, not the memory, bounded v1's fp8 scoring at
-   ~1.7-2 TB/s).  The loop only stores each page's block max per row to bmax [B, W, MR]
-   (no per-page top-k update: v1 spent ~10 CTA barriers and ~300 instructions per warp and
-   page on it); after the loop the split's top-KP list is built once from its maxima, in
-   chunks of PCH pages (tl.topk, then a bitonic merge with the running list), and goes to
-   the same cand buffer and fused merges as v1.  Selections equal v1's (the same keys; the
-   dot differs only in summation order).
+   first, -1 padded).  The merges are bitonic merge-and-halve stages on the presorted lists
+   (`_bitonic_merge`, no serial rounds).  The counters return to 0 for the next call.
+1'. `_score2_kernel` (v2: fp8 index keys), same grid and selection merges: the page is the
+   MMA's M dimension, S^T [PS, MP] = K [PS, Di] @ Q^T [Di, MP] (the key tile is the MMA's
+   shared-memory operand; loads through a tensor map when the pool allows one, else pointer
+   loads).  With a bf16 query the fp8 keys are scored as fp16 tensor-core products of the query
+   pre-scaled by a power of 2 per row (exact: `_prescale_exp`).  The page loop only stores each
+   page's block max per row to bmax [B, W, MR]; after the loop the split's top-KP list is built
+   once from its maxima, in chunks of PCH pages (tl.topk, then a bitonic merge with the running
+   list), and goes to the same cand buffer and merges as v1.  Selections equal v1's (the same
+   keys; the dot differs only in summation order).
 2. `_attn_kernel`, grid (NSA, G * NQC, B): the (query-chunk, group) rows -- the hpg heads of
    the group times the chunk's queries, M = hpg * QC rows padded to 16 -- attend the union
    of the chunk's selected blocks; split a of NSA takes a contiguous share of the chunk's
    flattened (query, slot) selection entries, skipping -1 and any block already listed by an
    earlier entry, and masks the rows of queries that did not select the block (and causally
    per token).  Writes a normalized partial output and its log2-sum-exp per row.
-   With the plan's fuse_combine (default), the last split of each (sequence, group, query
-   chunk) to finish (an atomic counter, acq_rel, after a CTA barrier; reset to 0) merges the
-   NSA partials itself and the third launch is skipped.
-3. `_combine_kernel`, grid (QC * hpg, G * NQC, B): LSE merge of the NSA partials.
+   With the plan's fuse_combine (v2), the last split of each (sequence, group, query chunk) to
+   finish (an atomic counter, acq_rel, after a CTA barrier; reset to 0) merges the NSA
+   partials itself and the third launch is skipped.
+3. `_combine_kernel` (v1), grid (QC * hpg, G * NQC, B): LSE merge of the NSA partials.
 
 Everything reads the lengths from device memory; grids depend on shapes only (batch, nq,
-the page-table width through the plan), so one capture serves every replay.  With the plan's
-pdl=True, kernels 2 and 3 use programmatic dependent launch (their CTAs start during the
-previous grid's tail and wait in griddepcontrol.wait before reading its output).
-
-Checked without a GPU (`tools.bench.decode.compile_report`): every kernel compiles for sm_90 (Triton 3.6,
-ptxas) at the M3 shape without register spills (scoring: 96 registers bf16 / 128 fp8 at
-nq = 1, 168 at nq = 8; attention 214-227); the index-key tile load of the scoring loop is
-software-pipelined (cp.async; one page in flight per program besides the one being scored at
-num_stages 3, two at 5 -- the page-table indirection takes one stage).  v2 (same check): 72
-registers bf16 / 120 fp8 at nq = 1, 128 / 157 at nq = 8, no spills; HGMMA 64x16x16; 3 key
-pages in shared memory (bf16 at num_stages 5: 100 KiB, fp8 at 7: 54 KiB); per page and warp
-~210 instructions and 7 CTA barriers (bf16) / ~350 and 7 (fp8) with 4 warps, against v1's
-~294 x 8 warps and 10 barriers (bf16) / ~494 x 8 warps with 64 quarter-rate F2F (fp8).
+the page-table width through the plan), so one capture serves every replay.
+`tools.bench.decode.compile_report` compiles every kernel for sm_90 without a GPU (registers,
+spills, shared memory, pipelined loads).
 """
 
 from __future__ import annotations
@@ -65,8 +51,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.language.standard import _bitonic_merge_hypercube, _log2  # tl.topk's own building blocks
 
 from ..dispatch import interpret_mode
 
@@ -120,20 +104,55 @@ def _pack(val, blk):
     return (key.to(tl.int64) << 32) | (2147483647 - blk).to(tl.int64)
 
 
+@triton.constexpr_function
+def _log2(n):
+    """log2 of a power of two known at compile time."""
+    return int(n).bit_length() - 1
+
+
+@triton.jit
+def _position_bit(ndim: tl.constexpr, j: tl.constexpr):
+    """Bit j of the flat position in a [2] * ndim hypercube (whose axis ndim - 1 - j is bit j),
+    as a 0 / 1 tensor that broadcasts against it."""
+    return tl.reshape(tl.arange(0, 2), [1] * (ndim - 1 - j) + [2] + [1] * j)
+
+
+@triton.jit
+def _bitonic_merge(h, n_bits: tl.constexpr, order: tl.constexpr):
+    """Sorts every run of 2^n_bits consecutive keys of h, an integer tensor of shape [2] * ndim
+    (a hypercube over the flat positions: axis ndim - 1 - j is bit j), when each run is bitonic:
+    ascending (order 0), descending (1), or run r ascending for even r and descending for odd r
+    (2).  n_bits compare-exchange rounds, between the keys whose positions differ in bit
+    n_bits - 1, then n_bits - 2, ..., 0; a key reads its partner as key ^ (xor over the pair's
+    2-wide axis): one reduction per round."""
+    tl.static_assert(h.dtype.is_int(), "_bitonic_merge sorts integer keys")
+    ndim: tl.constexpr = _log2(h.numel)
+    if order == 2:
+        tl.static_assert(n_bits < ndim, "alternating order needs several runs")
+        desc = _position_bit(ndim, n_bits)
+    else:
+        desc = order
+    for r in tl.static_range(n_bits):  # partners differ in bit j = n_bits - 1 - r (axis ndim - n_bits + r)
+        partner = h ^ tl.xor_sum(h, ndim - n_bits + r, keep_dims=True)
+        wants_high = desc ^ _position_bit(ndim, n_bits - 1 - r)  # this position takes the pair's larger key
+        h = tl.where((h > partner) != wants_high, partner, h)
+    return h
+
+
 @triton.jit
 def _topk_of_sorted_chunks(x, K: tl.constexpr):
-    """Top-K per row of x [R, W] (descending) when every K-chunk of a row is already sorted,
-    ascending for even chunks and descending for odd ones -- the state tl.topk reaches after its
-    first log2(K) bitonic stages, so only its merge-and-halve stages run here (about a third of
-    the work of a full tl.topk for W = 16 K).  Same algorithm and helpers as tl.topk."""
+    """Top-K per row of x [R, W] int64 (descending) when every K-chunk of a row is already
+    sorted, ascending for even chunks and descending for odd ones: log2(W / K) rounds of
+    "max of each chunk pair (a bitonic run holding the pair's top K), then a bitonic merge of
+    the runs" (alternating, the last one descending)."""
     log_n: tl.constexpr = _log2(x.shape[1])
     log_k: tl.constexpr = _log2(K)
     h = tl.reshape(x, [2] * _log2(x.numel))
     if log_k == log_n:  # a single (ascending) chunk: one bitonic merge sorts it descending
-        h = _bitonic_merge_hypercube(h, log_k, 1)
+        h = _bitonic_merge(h, log_k, 1)
     for i in tl.static_range(log_k + 1, log_n + 1):
         h = tl.max(h, axis=(_log2(h.numel) - 1 - log_k))
-        h = _bitonic_merge_hypercube(h, log_k, 2 if i < log_n else 1)
+        h = _bitonic_merge(h, log_k, 2 if i < log_n else 1)
     return tl.reshape(h, [x.shape[0], K])
 
 
@@ -177,17 +196,16 @@ def _merge(src_ptr, src_base, n_lists, dst_ptr, dst_base, b, dst_desc, FINAL: tl
 
 @triton.jit
 def _score_kernel(
-    qi_ptr, kidx_ptr, kscale_ptr, pt_ptr, pt_stride, sl_ptr,
+    qi_ptr, kidx_ptr, pt_ptr, pt_stride, sl_ptr,
     cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr,
     S, NC,
     NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr, IDX_FP8: tl.constexpr, CODE: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, CODE: tl.constexpr,
     CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    if USE_PDL:
-        gdc_launch_dependents()  # the attention grid may be scheduled; it waits for us in gdc_wait
+    """Scoring v1 (16-bit or fp32 index keys; see the module docstring)."""
     s = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
@@ -207,9 +225,6 @@ def _score_kernel(
         phys = tl.load(pt_ptr + b64 * pt_stride + p).to(tl.int64)
         ktt = tl.load(kidx_ptr + phys * (PS * DI) + t[None, :] * DI + d[:, None])  # [DI, PS]: K^T
         sc = _dot(q, _to_dot(ktt, CODE), CODE)  # [MP, PS] fp32
-        if IDX_FP8:
-            ks = tl.load(kscale_ptr + phys * PS + t)
-            sc = sc * ks[None, :]
         j = p * PS + t
         sc = tl.where(j[None, :] <= pos[:, None], sc, float("-inf"))
         bm = tl.max(sc, axis=1)
@@ -291,19 +306,14 @@ def _score2_kernel(
     S, NC, W,
     NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr, IDX_FP8: tl.constexpr, CODE: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, CODE: tl.constexpr,
     TMA: tl.constexpr, PCH: tl.constexpr,
     CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    """Scoring v2 (see the module docstring): S^T = K Q^T per page (the page's PS tokens are the
-    M dimension: Hopper wgmma with the key tile straight from shared memory), block max per row
-    stored to bmax [B, W, MR]; the split's top-KP list is built once after the loop.  With
-    USE_PDL the grid itself is launched with programmatic dependent launch: it waits for the
-    previous grid (which wrote the cache and the queries) before its first global read."""
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    """Scoring v2 (fp8 index keys with per-token scales; see the module docstring): S^T = K Q^T
+    per page (the page's PS tokens are the M dimension), block max per row stored to bmax
+    [B, W, MR]; the split's top-KP list is built once after the loop."""
     s = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
@@ -333,9 +343,8 @@ def _score2_kernel(
             sc = tl.dot(kt.to(tl.float16), qt)  # [PS, MP] fp32
         else:
             sc = _dot(_to_dot(kt, CODE), qt, CODE)
-        if IDX_FP8:
-            ks = tl.load(kscale_ptr + phys.to(tl.int64) * PS + t)
-            sc = sc * ks[:, None]
+        ks = tl.load(kscale_ptr + phys.to(tl.int64) * PS + t)
+        sc = sc * ks[:, None]
         sc = tl.where((p * PS + t)[:, None] <= pos_m[None, :], sc, float("-inf"))
         tl.store(brow + p * MR + m, tl.max(sc, axis=0), mask=m < MR, eviction_policy="evict_last")
 
@@ -382,11 +391,9 @@ def _attn_kernel(
     qk_scale, NSA,
     NQ: tl.constexpr, G: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     TOPK: tl.constexpr, KP: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
-    KV_FP8: tl.constexpr, CODE: tl.constexpr, USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, CODE: tl.constexpr,
     FUSE_COMBINE: tl.constexpr = False, NSA_PAD: tl.constexpr = 1, RETURN_LSE: tl.constexpr = False,
 ):
-    if USE_PDL:
-        gdc_launch_dependents()
     s = tl.program_id(0)
     rc = tl.program_id(1)
     b = tl.program_id(2)
@@ -412,8 +419,6 @@ def _attn_kernel(
     q = tl.load(q_ptr + ((b64 * NQ + i_m[:, None]) * (G * HPG) + r * HPG + h_m[:, None]) * D + dd[None, :],
                 mask=row_ok[:, None], other=0.0)
     q = _to_dot(q, CODE)
-    if USE_PDL:
-        gdc_wait()  # block_idx comes from the scoring grid
     sel_base = ((b64 * G + r) * NQ + qc * QC) * TOPK  # this chunk's entries, flattened (query, slot)
     sel = tl.load(bidx_ptr + sel_base + li[:, None] * TOPK + kcol[None, :],
                   mask=row_ok[:, None] & (kcol < TOPK)[None, :], other=-1)
@@ -490,7 +495,6 @@ def _combine_kernel(
     op_ptr, lp_ptr, o_ptr, lse_ptr, NSA,
     NQ: tl.constexpr, G: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, QC: tl.constexpr,
     NQC: tl.constexpr, MA: tl.constexpr, NSA_PAD: tl.constexpr, RETURN_LSE: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     m = tl.program_id(0)  # row inside the (chunk, group): query m // HPG, head m % HPG
     rc = tl.program_id(1)
@@ -499,8 +503,6 @@ def _combine_kernel(
     qc = rc % NQC
     i = qc * QC + m // HPG
     h = r * HPG + m % HPG
-    if USE_PDL:
-        gdc_wait()  # the partials come from the attention grid
     if i < NQ:
         b64 = b.to(tl.int64)
         sp = tl.arange(0, NSA_PAD)
@@ -542,14 +544,12 @@ def next_pow2(x: int) -> int:
 
 
 def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse: bool, phases: str = "all"):
-    """Runs the three phases with the plan's workspace; returns (o, lse or None).
+    """Runs the phases with the plan's workspace; returns (o, lse or None).
     phases="select" stops after the selection (for benchmarks; returns (None, None))."""
     B, NQ, HQ, D = q.shape
     G, DI, PS = pools.num_kv_heads, pools.index_dim, pools.page_size
     HPG = HQ // G
     dummy = plan.cnt2  # any int/float tensor for unused pointer args
-    pdl = bool(plan.pdl) and not interpret_mode()
-    pdl_kw = {"launch_pdl": True} if pdl else {}
     code_idx = _dot_code(q_idx.dtype, pools.k_idx.dtype)
     code_kv = _dot_code(q.dtype, pools.k.dtype)
     pt_stride = page_table.stride(0)
@@ -557,49 +557,43 @@ def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse
     NC_PAD = next_pow2(NC)
     RB1 = _rows_per_merge(plan.mr, plan.cluster * plan.kp, plan.merge_budget)
     RB2 = _rows_per_merge(plan.mr, NC_PAD * plan.kp, plan.merge_budget)
-    kscale = pools.k_idx_scale if pools.index_fp8 else dummy
-    if getattr(plan, "score_impl", "v1") == "v2":
-        if pools.index_fp8 and q_idx.dtype == torch.bfloat16:
+    score_kw = dict(NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
+                    LOCAL=plan.local_blocks, INIT=plan.init_blocks, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
+                    NUM_STAGES=plan.score_stages, num_warps=plan.score_warps, num_stages=plan.score_stages)
+    if plan.score_impl == "v2":
+        if q_idx.dtype == torch.bfloat16:
             code_idx = 3  # exact fp16 products of the fp8 keys and the power-of-2 pre-scaled query
-        tma = plan.score_load == "tma" and _tma_ok(pools.k_idx)
+        tma = _tma_ok(pools.k_idx)
         kdesc = _index_desc(pools.k_idx) if tma else dummy
         _score2_kernel[(S, B)](
-            q_idx, pools.k_idx, kdesc, kscale, page_table, pt_stride, seq_lens, plan.bmax,
+            q_idx, pools.k_idx, kdesc, pools.k_idx_scale, page_table, pt_stride, seq_lens, plan.bmax,
             plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC, plan.bmax.shape[1],
-            NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
-            LOCAL=plan.local_blocks, INIT=plan.init_blocks, IDX_FP8=pools.index_fp8, CODE=code_idx,
-            TMA=tma, PCH=plan.pch, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
-            NUM_STAGES=plan.score_stages, USE_PDL=pdl, num_warps=plan.score_warps, num_stages=plan.score_stages,
-            **pdl_kw,
+            CODE=code_idx, TMA=tma, PCH=plan.pch, **score_kw,
         )
     else:
         _score_kernel[(S, B)](
-            q_idx, pools.k_idx, kscale, page_table, pt_stride, seq_lens,
-            plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC,
-            NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
-            LOCAL=plan.local_blocks, INIT=plan.init_blocks, IDX_FP8=pools.index_fp8, CODE=code_idx,
-            CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
-            NUM_STAGES=plan.score_stages, USE_PDL=pdl, num_warps=plan.score_warps, num_stages=plan.score_stages,
+            q_idx, pools.k_idx, page_table, pt_stride, seq_lens,
+            plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC, CODE=code_idx, **score_kw,
         )
     if phases == "select":
         return None, None
     NSA, QC, NQC, MA = plan.attn_splits, plan.qc, plan.nqc, plan.ma
     o = torch.empty_like(q)
     lse = torch.empty(B, HQ, NQ, dtype=torch.float32, device=q.device) if return_lse else plan.lse_part
-    fuse = bool(getattr(plan, "fuse_combine", False))
+    fuse = plan.fuse_combine
     _attn_kernel[(NSA, G * NQC, B)](
         q, pools.k, pools.v, pools.k_scale if pools.kv_fp8 else dummy, pools.v_scale if pools.kv_fp8 else dummy,
         page_table, pt_stride, seq_lens, plan.block_idx, plan.o_part, plan.lse_part,
         o if fuse else dummy, lse if fuse else dummy, plan.cnt3 if fuse else dummy, scale * LOG2E, NSA,
         NQ=NQ, G=G, HPG=HPG, D=D, PS=PS, TOPK=plan.topk, KP=plan.kp, QC=QC, NQC=NQC, MA=MA,
-        KV_FP8=pools.kv_fp8, CODE=code_kv, USE_PDL=pdl, FUSE_COMBINE=fuse, NSA_PAD=next_pow2(NSA),
-        RETURN_LSE=return_lse, num_warps=plan.attn_warps, num_stages=1, **pdl_kw,
+        KV_FP8=pools.kv_fp8, CODE=code_kv, FUSE_COMBINE=fuse, NSA_PAD=next_pow2(NSA),
+        RETURN_LSE=return_lse, num_warps=plan.attn_warps, num_stages=1,
     )
     if fuse:
         return o, (lse if return_lse else None)
     _combine_kernel[(QC * HPG, G * NQC, B)](
         plan.o_part, plan.lse_part, o, lse, NSA, NQ=NQ, G=G, HPG=HPG, D=D, QC=QC, NQC=NQC, MA=MA,
-        NSA_PAD=next_pow2(NSA), RETURN_LSE=return_lse, USE_PDL=pdl,
-        num_warps=4 if D * next_pow2(NSA) <= 8192 else 8, **pdl_kw,
+        NSA_PAD=next_pow2(NSA), RETURN_LSE=return_lse,
+        num_warps=4 if D * next_pow2(NSA) <= 8192 else 8,
     )
     return o, (lse if return_lse else None)

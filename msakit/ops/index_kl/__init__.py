@@ -124,7 +124,9 @@ def index_kl_loss(
     lse: optional [B, Hq, T] float32, the main branch's log-sum-exp over the selected tokens (as
     returned by `sparse_attention(..., return_lse=True)`); the kernel then recomputes P from q,
     k and lse without a statistics pass (so does the chunked path).  When None it is computed
-    (`selected_lse`).  The reference backend ignores it (it normalises P exactly).
+    (`selected_lse`'s pass inside the kernel), and the first such call warns once: a training
+    layer gets the output and the KL from one forward with `ops.sparse_attention_with_kl`.
+    The reference backend ignores it (it normalises P exactly).
     cu_seqlens: optional int32 [ndocs + 1]; then B = 1, the documents are packed along T, block
     ids are relative to each document's start, and the loss is the mean over all (r, i) of all
     documents.
@@ -158,6 +160,14 @@ def index_kl_loss(
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
 
+    if lse is None and over == "selected" and backend != "reference":
+        warn_once(
+            "index_kl_loss:lse",
+            "msakit: index_kl_loss without lse computes the main branch's log-sum-exp over the selected tokens "
+            "(a pass over q and k that a sparse forward on the same selection already made): "
+            "ops.sparse_attention_with_kl shares the forward's, or pass lse=sparse_attention(..., return_lse=True)[1] "
+            "(without a sparse forward, e.g. a dense warm-up, lse=None is the cheapest form)",
+        )
     fp64 = torch.float64 in (q.dtype, q_idx.dtype)
     kernel = use_triton("index_kl_loss", backend, q.device) and not (fp64 and backend == "auto")
     if kernel and over == "all":  # the kernel takes a selection; the chunked path covers "all"

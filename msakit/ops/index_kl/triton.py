@@ -47,8 +47,7 @@ LOG2E = 1.4426950408889634
 # tilings for GPU sweeps: tools/bench/index_kl.py (SWEEP_CONFIGS).
 CONFIGS: dict[str, dict] = {
     "interpret": dict(QT=16, TPP=2, HC=8, num_warps=4, num_stages=1),
-    # sm_90, checked offline with ptxas (Hq/G = 16, D = Di = bs = 128, bf16): main kernel 255
-    # registers, no spills, ~139 KB smem
+    # sm_90 (`tools/bench/index_kl.py`'s ptxas report checks it for spills at the M3 shape)
     "sm90": dict(QT=16, TPP=8, HC=8, num_warps=8, num_stages=2, ST_HC=4, ST_STAGES=3),
     # float32 inputs on the GPU: exact fp32 dots ("ieee", FMA; tf32x3 needs > 227 KB smem) — a
     # correctness path, not a fast one.
@@ -153,9 +152,17 @@ def _work(block_idx, cu_seqlens, block_size: int, q_tile: int):
 
 
 @triton.jit
+def _tile_count(tile_count_ptr):
+    """(this program's tile, its entry count)."""
+    pid = tl.program_id(0)
+    return pid, tl.load(tile_count_ptr + pid)
+
+
+@triton.jit
 def _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr, NB, T, bsz,
-                   G: tl.constexpr, VARLEN: tl.constexpr):
-    """Tile pid -> (first entry, batch b, group g, first token t0 of its block, token count nj)."""
+                   G: tl.constexpr, VARLEN: tl.constexpr, BS: tl.constexpr):
+    """Tile pid -> (first entry, batch b, group g, first token t0 of its block, token count nj,
+    the block's columns offs_j = 0 .. BS-1, their tokens t0 + offs_j and mask offs_j < nj)."""
     key = tl.load(tile_key_ptr + pid).to(tl.int64)
     e0 = tl.load(tile_start_ptr + pid).to(tl.int64)
     bg = key // NB
@@ -168,7 +175,9 @@ def _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr
     else:
         t0 = blk * bsz
         t1 = tl.minimum(t0 + bsz, T)
-    return e0, b, g, t0, (t1 - t0).to(tl.int32)
+    nj = (t1 - t0).to(tl.int32)
+    offs_j = tl.arange(0, BS)
+    return e0, b, g, t0, nj, offs_j, t0 + offs_j, offs_j < nj
 
 
 @triton.jit
@@ -211,16 +220,12 @@ def _stats_kernel(
     belongs to exactly one tile, so plain stores).  With HEADS one loop runs over (sub-tile,
     head chunk) pairs (the Q-chunk loads stay pipelined across sub-tiles).
     """
-    pid = tl.program_id(0)
-    count = tl.load(tile_count_ptr + pid)
+    pid, count = _tile_count(tile_count_ptr)
     if count == 0:
         return
-    e0, b, g, t0, nj = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr,
-                                      NB, T, bsz, G, VARLEN)
+    e0, b, g, t0, nj, offs_j, tok, jmask = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr,
+                                                          blk_end_ptr, NB, T, bsz, G, VARLEN, BS)
     t0i = t0.to(tl.int32)
-    offs_j = tl.arange(0, BS)
-    tok = t0 + offs_j
-    jmask = offs_j < nj
     offs_q = tl.arange(0, QT)
     offs_di = tl.arange(0, BDI)
     dimask = offs_di < DI
@@ -373,15 +378,11 @@ def _kl_kernel(
     dk [B, T, DI] fp32 accumulators.  One loop over (sub-tile, head chunk) pairs, so that the
     Q-chunk loads stay software-pipelined across sub-tiles.
     """
-    pid = tl.program_id(0)
-    count = tl.load(tile_count_ptr + pid)
+    pid, count = _tile_count(tile_count_ptr)
     if count == 0:
         return
-    e0, b, g, t0, nj = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr, blk_end_ptr,
-                                      NB, T, bsz, G, VARLEN)
-    offs_j = tl.arange(0, BS)
-    tok = t0 + offs_j
-    jmask = offs_j < nj
+    e0, b, g, t0, nj, offs_j, tok, jmask = _tile_geometry(pid, tile_key_ptr, tile_start_ptr, blk_start_ptr,
+                                                          blk_end_ptr, NB, T, bsz, G, VARLEN, BS)
     offs_d = tl.arange(0, BD)
     dmask = offs_d < D
     offs_di = tl.arange(0, BDI)

@@ -91,8 +91,7 @@ def _next_lane(v, lt, SHFL_ASM: tl.constexpr):
     """
     if SHFL_ASM:
         # not is_pure: a pure asm may be sunk into a branch that only some lanes take, and a
-        # shfl.sync whose member mask names lanes that never arrive waits forever (it did, on
-        # the H200, at top-8 with a forced init block)
+        # shfl.sync whose member mask names lanes that never arrive waits forever
         bits = v.to(tl.int32, bitcast=True)
         bits = tl.inline_asm_elementwise(
             "shfl.sync.down.b32 $0, $1, 1, 0x1c1f, 0xffffffff;", "=r,r", [bits],

@@ -1,10 +1,8 @@
 """`routed_experts` for few (token, slot) pairs in Triton (decoding: a batch of 1-8 tokens).
 
 Meaning: `reference.py`.  At decode a layer's routed experts see a handful of pairs, so each
-projection is a matrix-vector product bound by reading the chosen experts' weights.  A grouped
-GEMM (`torch._grouped_mm`) pays for its general tiling at M ~ 1 (a problem-setup kernel and a
-GEMM over all experts' segments per projection: ~9 us each on an H200) and needs the pairs
-sorted by expert around it; here two kernels read the pairs' expert rows directly:
+projection is a matrix-vector product bound by reading the chosen experts' weights.  Instead of
+a grouped GEMM over expert-sorted pairs, two kernels read the pairs' expert rows directly:
 
 - `_gate_up_kernel`, one program per (pair, BLOCK_I rows of I): gate and up rows of the pair's
   expert times the token's x (float32 sums over H in BLOCK_H steps), each rounded to x's dtype,
@@ -51,6 +49,23 @@ def _reduce_block(rows: int, n: int) -> int:
 
 
 @triton.jit
+def _vector_chunk(V, base, c0, n, BLOCK: tl.constexpr):
+    """Columns c0 .. c0 + BLOCK - 1 of a length-n vector at V + base: (columns, mask, values as
+    float32, 0 past n)."""
+    c = c0 + tl.arange(0, BLOCK)
+    ok = c < n
+    return c, ok, tl.load(V + base + c, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _expert_tile(W, e, se, sr, sc, rows, rows_ok, cols, cols_ok, xdt):
+    """W[e, rows, cols] (strides se, sr, sc; 0 where masked by rows_ok, cols_ok), each weight
+    rounded to xdt, as float32 [len(rows), len(cols)]."""
+    m = rows_ok[:, None] & cols_ok[None, :]
+    return tl.load(W + e * se + rows[:, None] * sr + cols[None, :] * sc, mask=m, other=0.0).to(xdt).to(tl.float32)
+
+
+@triton.jit
 def _gate_up_kernel(X, IDX, W1, W3, Hout, I, H, K_SLOTS,
                     s1e, s1i, s1h, s3e, s3i, s3h, alpha, limit,
                     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -63,12 +78,9 @@ def _gate_up_kernel(X, IDX, W1, W3, Hout, I, H, K_SLOTS,
     g = tl.zeros([BLOCK_I], tl.float32)
     u = tl.zeros([BLOCK_I], tl.float32)
     for h0 in range(0, H, BLOCK_H):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        h_ok = hh < H
-        x = tl.load(X + tok * H + hh, mask=h_ok, other=0.0).to(tl.float32)
-        m = i_ok[:, None] & h_ok[None, :]
-        a = tl.load(W1 + e * s1e + i[:, None] * s1i + hh[None, :] * s1h, mask=m, other=0.0).to(xdt).to(tl.float32)
-        b = tl.load(W3 + e * s3e + i[:, None] * s3i + hh[None, :] * s3h, mask=m, other=0.0).to(xdt).to(tl.float32)
+        hh, h_ok, x = _vector_chunk(X, tok * H, h0, H, BLOCK_H)
+        a = _expert_tile(W1, e, s1e, s1i, s1h, i, i_ok, hh, h_ok, xdt)
+        b = _expert_tile(W3, e, s3e, s3i, s3h, i, i_ok, hh, h_ok, xdt)
         g += tl.sum(a * x[None, :], axis=1)
         u += tl.sum(b * x[None, :], axis=1)
     g = tl.minimum(g.to(xdt).to(tl.float32), limit)
@@ -92,11 +104,8 @@ def _down_kernel(Hin, IDX, WT, W2, Y, I, H,
         wt = tl.load(WT + p)
         acc = tl.zeros([BLOCK_O], tl.float32)
         for i0 in range(0, I, BLOCK_I):
-            ii = i0 + tl.arange(0, BLOCK_I)
-            i_ok = ii < I
-            hv = tl.load(Hin + p * I + ii, mask=i_ok, other=0.0).to(tl.float32)
-            m = o_ok[:, None] & i_ok[None, :]
-            a = tl.load(W2 + e * s2e + o[:, None] * s2o + ii[None, :] * s2i, mask=m, other=0.0).to(xdt).to(tl.float32)
+            ii, i_ok, hv = _vector_chunk(Hin, p * I, i0, I, BLOCK_I)
+            a = _expert_tile(W2, e, s2e, s2o, s2i, o, o_ok, ii, i_ok, xdt)
             acc += tl.sum(a * hv[None, :], axis=1)
         y += acc.to(xdt).to(tl.float32) * wt
     tl.store(Y + n * H + o, y, mask=o_ok)

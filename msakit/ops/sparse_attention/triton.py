@@ -1,5 +1,5 @@
-"""KV-outer block-sparse attention in Triton: forward and backward (Hopper-first; also runs
-under TRITON_INTERPRET=1 on the CPU, which is how the tests run it).
+"""KV-outer block-sparse attention in Triton: forward and backward (also runs under
+TRITON_INTERPRET=1 on the CPU, which is how the tests run it).
 
 Meaning: `reference.py`.  Everything below works on *flat tokens*: q [N, Hq, D], k/v [N, G, D]
 with N = B*T (a batch is B packed documents of length T; a varlen batch gives its documents
@@ -16,81 +16,57 @@ canonicalise each (group, row) selection (drop -1, duplicates and blocks past th
 block; ascending, valid first; slot = position) -> entries (query n, slot s) stably sorted by
 key -> *items*: runs of at most `item_queries` entries of one key.  One program takes one item:
 it loads the key's K and V [block_size, D] once (they stay in shared memory) and loops over
-sub-tiles of q_tile entries x Hq/G heads (64 or 128 rows at M3's 16 heads per group; the next
-sub-tile's Q rows are prefetched into registers while the current one computes, since Triton's
-pipeliner does not overlap an indirect gather).  Items of one key are adjacent in the grid (K/V
-reuse in L2), every item is at most the same work (hot keys are simply more items), and the
-grid is an upper bound (`max_items`; padding items do nothing).
+sub-tiles of q_tile entries x Hq/G heads; the next sub-tile's Q rows are loaded into registers
+while the current one computes (an indirect gather, which Triton's pipeliner does not overlap).
+Items of one key are adjacent in the grid (K/V reuse in L2), every item is at most the same
+work (hot keys are simply more items), and the grid is an upper bound (`max_items`; padding
+items do nothing).
 
 Forward combine:
   every (query, head, slot) gets a partial output normalised by its own softmax sum, in
   q.dtype, plus its own lse_s = m_s + log l_s in fp32.  The partial buffers hold ONE KV group
   and are *entry-major* (`OP` [M_g entries x Hq/G heads, D], `LP` [M_g x Hq/G]; entry = position
-  in the key-sorted work list less the group's first entry), so a sub-tile's rows are contiguous (one 16 KB store, no per-row slot load: the
-  dependent slot load was the hottest stall under ncu); `inv` maps (group, row, slot) to its
-  entry.  A merge kernel forms lse = logsumexp_s lse_s and o = sum_s exp(lse_s - lse) O_s over
-  the row's valid slots (slot s is valid iff s < nvalid(g, n): nothing is pre-filled).
-  Rejected: (a) a stats pass + fp32 atomics into [T, Hq, D]: 1.5x the FLOPs and 16 x 4 B of
-  read-modify-write per output element, each line leaving L2 between its updates under a
-  random selection (~2x the bytes of (b), at atomic throughput); (c) query chunks small enough
-  for their partials to stay in L2 (50 MB = ~190 queries at M3's shape): a key then gets ~1
-  query of a chunk under a random selection, so tiles run ~1/8 full.
-  Predicted cost at M3's shape (Hq=64, G=4, D=128, bs=128, topk=16, bf16), per query: Q
-  gathered 16x (256 KB) + partials written (256 KB) and read back (256 KB) + o (16 KB) =
-  ~0.8 MB of HBM traffic for 67 MFLOP (~85 FLOP/B, under the H200's ~190 FLOP/B ridge): the
-  forward is memory-bound.  At T = 128K: ~103 GB = ~26 ms at 4 TB/s (main kernel ~17 ms,
-  merge ~9 ms) against 8.8 TFLOP = ~14 ms of MMA at 650 TFLOP/s: ~27-32 ms, i.e. ~280-330
-  TFLOP/s effective; the work list (one torch sort per chunk) adds ~0.4 ms per chunk.
-  Memory: the groups run one after another over one partial buffer.  Keys g * N + start sort
-  group by group, so group g's valid entries E_g .. E_{g+1}-1 and its items are contiguous
-  (`_Items.grp_ent`, `grp_item`: device cumsums, no host sync); the main kernel and the merge
-  are launched once per group over them (grid: a host-side bound on the group's items), which
-  shrinks the partials G-fold and moves no extra byte (a key belongs to one group).  The buffer
-  is sized by a host-side bound on one group's valid entries in a chunk (`_entry_bound`: a row
-  at position p has at most min(KS, p // bs + 1) valid slots) and allocated after the first
-  chunk's work list is built (the sort's temporaries are freed by then).  At M3's shape and
-  T = 16K (one chunk): 246,784 entries x 16 heads x (256 + 4) B = 0.96 GiB of partials + ~8 B
-  per entry of the work list (ent_q, inv: 8 MB) = ~0.96 GiB of peak extra memory.  Query chunks
-  of C rows keep one group's partials plus the chunk's work list (48 B per (group, slot) entry)
-  within CHUNK_BYTES (3.25 GiB: 69,632 B per row, C = 47,872 rows at T = 1M, 22 chunks balanced
-  by `chunk_rows_for`): at 1M the partials take 2.97 GiB, and the next chunk's work list while
-  it is built ~0.14 GiB beside them (plus lse itself).  The backward: BWD_CHUNK_BYTES (8 GiB) of
-  one group's dq partials plus the work list (C = 116,736 rows at 1M: 7.1 GiB of dq partials) +
-  fp32 dK/dV (4 GiB at 1M) + 8 B per (token, head) of delta and lse: ~12 GiB at 1M.
+  in the key-sorted work list less the group's first entry), so a sub-tile's rows are
+  contiguous (one store, no per-row slot load); `inv` maps (group, row, slot) to its entry.  A
+  merge kernel forms lse = logsumexp_s lse_s and o = sum_s exp(lse_s - lse) O_s over the row's
+  valid slots (slot s is valid iff s < nvalid(g, n): nothing is pre-filled).
+  Groups one after another: keys g * N + start sort group by group, so group g's valid entries
+  E_g .. E_{g+1}-1 and its items are contiguous (`_Items.grp_ent`, `grp_item`: device cumsums,
+  no host sync); the main kernel and the merge are launched once per group over them (grid: a
+  host-side bound on the group's items) over one partial buffer.  The buffer is sized by a
+  host-side bound on one group's valid entries in a chunk (`_entry_bound`: a row at position p
+  has at most min(KS, p // bs + 1) valid slots) and allocated after the first chunk's work list
+  is built (the sort's temporaries are freed by then).  Query chunks of C rows keep one group's
+  partials plus the chunk's work list (48 B per (group, slot) entry) within CHUNK_BYTES, C
+  balanced over the chunks by `chunk_rows_for`; the backward's chunks keep one group's dq
+  partials within BWD_CHUNK_BYTES.
 
-Backward (dq, dk, dv), over the same kind of items (longer: 512 queries):
+Backward (dq, dk, dv), over the same kind of items (longer: BWD_CONFIG.item_queries):
   a small kernel writes delta = rowsum(dO * O) - dlse and lse * log2(e) token-major [N, Hq];
   per item, K and V stay on chip and dK, dV accumulate in fp32 registers over all sub-tiles,
-  then go to fp32 [N, G, D] buffers with one atomic add per element per item (~4% of the
-  traffic at 256 queries per item; the summation order, hence dK/dV's last bits, is not
-  deterministic); dQ of each (query, head, slot) is written to a per-slot buffer (bf16 for bf16
-  inputs, fp32 otherwise) and a reduce kernel sums the valid slots.  Per sub-tile:
+  then go to fp32 [N, G, D] buffers with one atomic add per element per item (the summation
+  order, hence dK/dV's last bits, is not deterministic); dQ of each (query, head, slot) is
+  written to a per-slot buffer (bf16 for bf16 inputs, fp32 otherwise) and a reduce kernel sums
+  the valid slots.  Per sub-tile:
   S^T = K Q^T, P^T = exp2(S^T scale log2(e) - lse2), dV += P^T dO, dP^T = V dO^T,
-  dS^T = P^T (dP^T - delta), dK += dS^T Q, dQ_slot = dS K (5 MMAs = 2.5x the forward's FLOPs).
-  Traffic per query ~1 MB (Q and dO gathered 16x, dq partials written and read): at 128K
-  ~134 GB = ~33 ms against 22 TFLOP = ~35 ms of MMA, so ~45-60 ms (~370-490 TFLOP/s).
-  Query chunks (BWD_CHUNK_BYTES) split each key's queries, so a key costs one K/V load and
-  one dK/dV atomic flush (~320 KB of traffic) per chunk it is used in: negligible at 128K
-  (2 chunks, ~1,000 queries per key and chunk) and ~+7% traffic at 1M (9 chunks, ~230 queries
-  per key and chunk); the forward pays only the K/V load (~+4% at 1M: ~90 queries per key and
-  chunk).
+  dS^T = P^T (dP^T - delta), dK += dS^T Q, dQ_slot = dS K (5 MMAs).
 
 Inputs: fp16/bf16 on the GPU (fp32 too under the interpreter), block_size and head dim <= 128
-(`kernel_supports`).  Kernel configurations: FWD_CONFIG / BWD_CONFIG (compiled for sm_90 with
-the bundled ptxas: no spills at M3's shape); `tools/bench/sparse_attention.py` times them and
-compiles them without a GPU.  The measurements that chose them, and the variants they were
-chosen over, are in benchmarks/NOTES.md ("Variants removed"); the tunables are listed in
-docs/kernels.md.
+(`kernel_supports`).  Kernel configurations: FWD_CONFIG / BWD_CONFIG; `tools/bench/
+sparse_attention.py` times them and compiles them without a GPU.  docs/kernels.md gives the
+design's cost and memory arithmetic and the measurements; benchmarks/NOTES.md ("Variants
+removed") the variants these configurations were chosen over.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ..dispatch import interpret_mode
 
 __all__ = [
     "KernelConfig",
@@ -105,13 +81,10 @@ __all__ = [
 ]
 
 # Bytes one query chunk may take: ONE KV group's partials (the launchers run the groups one
-# after another over one buffer) plus the chunk's work list, as `chunk_rows_for` counts them.
-# Forward o + lse partials: 3.25 GiB (69,632 B per row at M3's shape: 47,872-row chunks at 1M,
-# 2.97 GiB of partials, which with lse, the selection and a work list being built keeps the 1M
-# forward's peak extra memory under 4 GiB; a 16K forward is one chunk whose partials are sized
-# by its valid entries, 0.96 GiB).  Backward dq partials: 8 GiB (bigger chunks mean fewer items
-# per key, hence fewer K/V loads and dK/dV atomics; the backward also holds fp32 dK/dV
-# accumulators, 8 B per key token and dim).  `chunk_rows=` of the launchers overrides them.
+# after another over one buffer) plus the chunk's work list, as `chunk_rows_for` counts them:
+# the forward's o + lse partials (3.25 GiB) and the backward's dq partials (8 GiB; the backward
+# also holds fp32 dK/dV accumulators, 8 B per key token and dim).  `chunk_rows=` of the
+# launchers overrides them.
 CHUNK_BYTES = 13 << 28
 BWD_CHUNK_BYTES = 8 << 30
 REDUCE_WARPS = 8  # forward slot merge / backward prologue: 64 rows x D per program
@@ -129,10 +102,9 @@ class KernelConfig:
     num_stages: int
 
 
-# The GPU defaults (H200, M3 shape).  Forward: 64-row sub-tiles (4 queries x 16 heads), items of
-# 128 queries, 4 warps, the next sub-tile's Q rows prefetched into registers by hand (Triton's
-# pipeliner does not overlap an indirect gather).  Backward: 32-row sub-tiles, items of 512
-# queries, 8 warps (254 registers, 112 KB of shared memory: 1 CTA per SM).
+# The GPU defaults.  Forward: 64-row sub-tiles (4 queries x 16 heads at M3's 16 heads per
+# group), items of 128 queries, 4 warps.  Backward: 32-row sub-tiles, items of 512 queries,
+# 8 warps.
 FWD_CONFIG = KernelConfig(64, 128, 4, 1)
 BWD_CONFIG = KernelConfig(32, 512, 8, 1)
 # The backward's dq reduce (`_sa_dq_reduce_kernel`): one row x the heads of one group per
@@ -146,10 +118,6 @@ INTERPRET_FWD = KernelConfig(16, 16, 4, 1)
 INTERPRET_BWD = KernelConfig(16, 32, 4, 1)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _next_pow2(x: int) -> int:
     return 1 << (max(1, int(x)) - 1).bit_length()
 
@@ -157,10 +125,10 @@ def _next_pow2(x: int) -> int:
 def kernel_supports(dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device | None = None) -> str | None:
     """None when the kernels take these arguments, else the reason they do not.
 
-    16-bit inputs only on the GPU: fp32 would need an FMA dot (no fp32 tensor cores; TF32 would
-    change the numerics) that spills at these tiles, so fp32 CUDA tensors use the reference.
-    Under the interpreter fp32 runs too (the CPU tests).  K and V of a block stay in shared
-    memory for a whole item, so block_size and the head dim are at most 128 (M3: 128 / 128).
+    16-bit inputs only on the GPU (fp32 CUDA tensors take the chunked PyTorch path: the kernels'
+    tiles are sized for 16-bit tensor-core dots); under the interpreter fp32 runs too (the CPU
+    tests).  K and V of a block stay in shared memory for a whole item, so block_size and the
+    head dim are at most 128 (M3: 128 / 128).
     """
     ok = (torch.float16, torch.bfloat16) if (device is None or device.type == "cuda") else (torch.float16, torch.bfloat16, torch.float32)
     if dtype not in ok:
@@ -309,7 +277,7 @@ def _build_items(
     key = torch.empty(M, dtype=kdt, device=dev)
     nvalid = torch.empty((G, C), dtype=torch.int32, device=dev)
     bk = _next_pow2(K)
-    br = max(1, min(64 if _interpret() else 32, 4096 // (bk * bk)))
+    br = max(1, min(64 if interpret_mode() else 32, 4096 // (bk * bk)))
     has_doc = doc_start is not None
     _wl_canon_kernel[(triton.cdiv(C, br), G)](
         sel, sel.stride(0), sel.stride(1), sel.stride(2), doc_start if has_doc else nvalid, key, nvalid,
@@ -353,7 +321,8 @@ def _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G: tl.constexpr, D: tl.const
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Item pid's first entry, group, key-block start token, and the block's K and V
     [BLOCK_N, BLOCK_D] (zeros past the block, the batch or for a padding item), with their
-    flat row offsets and mask (for the backward's dK / dV flush)."""
+    flat row offsets and mask (for the backward's dK / dV flush), the column offsets
+    offs_n [BLOCK_N] and offs_d [BLOCK_D] and the head-dim mask d_ok."""
     key = tl.load(IT_KEY + pid).to(tl.int64)
     start = tl.load(IT_START + pid).to(tl.int64)
     g = key // N
@@ -366,7 +335,7 @@ def _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G: tl.constexpr, D: tl.const
     kv_mask = kv_ok[:, None] & (offs_d < D)[None, :]
     kb = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     vb = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    return start, g, tok0, kb, vb, kv_row, kv_mask
+    return start, g, tok0, kb, vb, kv_row, kv_mask, offs_n, offs_d, offs_d < D
 
 
 @triton.jit
@@ -382,6 +351,34 @@ def _group_item(IT_COUNT, GRP_ENT, GRP_ITEM, grp, max_items):
     count = tl.load(IT_COUNT + pid)
     count = tl.where(pid0 < ie - ib, count, 0)
     return pid, count, e0
+
+
+@triton.jit
+def _subtile_rows(ENT_Q, start, count, g, HPG: tl.constexpr, Q_TILE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of a sub-tile (row m: entry m // HPG of the sub-tile, head g * HPG + m % HPG; rows
+    past Q_TILE * HPG unused) and the flat query tokens of the item's first two sub-tiles (the
+    kernels' loops keep the next sub-tile's rows in flight).  Returns (offs_m, r_q, head, m_ok,
+    ok0 (rows of sub-tile 0 holding an entry), n_cur, n_nxt)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    r_q = offs_m // HPG
+    head = g * HPG + offs_m % HPG
+    m_ok = offs_m < Q_TILE * HPG
+    ok0 = m_ok & (r_q < count)
+    n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
+    n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+    return offs_m, r_q, head, m_ok, ok0, n_cur, n_nxt
+
+
+@triton.jit
+def _visible_keys(row_ok, n, tok0, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per row, the last visible column of the key block starting at token tok0: key token
+    tok0 + c is visible to the row's query n iff c <= n - tok0 (causal; this also keeps the key
+    inside n's document and below N) and c < BS; rows that are not valid see nothing (-1).
+    int32."""
+    rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
+    if BS < BLOCK_N:
+        rel = tl.minimum(rel, BS - 1)
+    return rel
 
 
 @triton.jit
@@ -408,20 +405,12 @@ def _sa_fwd_kernel(
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
         if count == 0:
             return
-    start, g, tok0, kb, vb, kv_row, kv_mask = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G, D, BS, BLOCK_N, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    start, g, tok0, kb, vb, kv_row, kv_mask, offs_n, offs_d, d_ok = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G,
+                                                                            D, BS, BLOCK_N, BLOCK_D)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    r_q = offs_m // HPG
-    head = g * HPG + offs_m % HPG
-    m_ok = offs_m < Q_TILE * HPG
     # software pipeline by hand: the Q rows of sub-tile i+1 and the entries of sub-tile i+2
     # are in flight while sub-tile i computes (an indirect load defeats Triton's pipeliner)
-    ok0 = m_ok & (r_q < count)
-    n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
-    n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+    offs_m, r_q, head, m_ok, ok0, n_cur, n_nxt = _subtile_rows(ENT_Q, start, count, g, HPG, Q_TILE, BLOCK_M)
     q_cur = tl.load(Q + ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :], mask=ok0[:, None] & d_ok[None, :], other=0.0)
     for sub in range(0, count, Q_TILE):
         qi = sub + r_q
@@ -434,11 +423,7 @@ def _sa_fwd_kernel(
         n_cur = n_nxt
         n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
         s = _mm(qb, tl.trans(kb), PREC, UPCAST) * qk_scale
-        # key token tok0 + c is visible to row (n, h) iff c <= n - tok0 (causal; also keeps the
-        # key inside n's document and below N) and c < BS; invalid rows see nothing (int32 math)
-        rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
-        if BS < BLOCK_N:
-            rel = tl.minimum(rel, BS - 1)
+        rel = _visible_keys(row_ok, n, tok0, BS, BLOCK_N)
         if _needs_causal_mask(row_ok, rel, BLOCK_N):
             s = tl.where(offs_n[None, :] <= rel[:, None], s, float("-inf"))
         m = tl.max(s, axis=1)
@@ -453,6 +438,19 @@ def _sa_fwd_kernel(
         prow = (start - e0 + sub) * HPG + offs_m
         tl.store(OP + prow[:, None] * D + offs_d[None, :], ob.to(OP.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LP + prow, lse, mask=row_ok)
+
+
+@triton.jit
+def _slot_rows(NV, GRP_ENT, t, hh, C, grp, HPG: tl.constexpr, KS: tl.constexpr, D: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """For rows t of a chunk of C rows and heads hh of group grp (a merge or reduce program's
+    (row, head) pairs): (ok, head h, valid slots nv, t int64, the (grp, t, slot 0) offset in
+    INV [G, C, KS], the group's first entry, offs_d [BLOCK_D], its mask d_ok)."""
+    ok = (t < C) & (hh < HPG)
+    nv = tl.load(NV + grp * C + t, mask=ok, other=0)
+    t64 = t.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    return ok, grp * HPG + hh, nv, t64, (grp * C + t64) * KS, tl.load(GRP_ENT + grp).to(tl.int64), offs_d, offs_d < D
 
 
 @triton.jit(do_not_specialize=["grp"])
@@ -470,14 +468,7 @@ def _sa_fwd_merge_kernel(
     offs_r = tl.arange(0, BLOCK_T * BLOCK_H)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_H
     hh = tl.program_id(1) * BLOCK_H + offs_r % BLOCK_H
-    ok = (t < C) & (hh < HPG)
-    h = grp * HPG + hh
-    nv = tl.load(NV + grp * C + t, mask=ok, other=0)
-    t64 = t.to(tl.int64)
-    ibase = (grp * C + t64) * KS  # (grp, t, slot 0) in INV [G, C, KS]
-    e0 = tl.load(GRP_ENT + grp).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    ok, h, nv, t64, ibase, e0, offs_d, d_ok = _slot_rows(NV, GRP_ENT, t, hh, C, grp, HPG, KS, D, BLOCK_D)
     sw = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
     mx = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
     for s in range(0, KS):
@@ -521,14 +512,7 @@ def _sa_dq_reduce_kernel(
     offs_r = tl.arange(0, BLOCK_T * BLOCK_HP)
     t = tl.program_id(0) * BLOCK_T + offs_r // BLOCK_HP
     hh = offs_r % BLOCK_HP
-    ok = (t < C) & (hh < HPG)
-    h = grp * HPG + hh
-    nv = tl.load(NV + grp * C + t, mask=ok, other=0)
-    t64 = t.to(tl.int64)
-    ibase = (grp * C + t64) * KS  # (grp, t, slot 0) in INV [G, C, KS]
-    e0 = tl.load(GRP_ENT + grp).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    ok, h, nv, t64, ibase, e0, offs_d, d_ok = _slot_rows(NV, GRP_ENT, t, hh, C, grp, HPG, KS, D, BLOCK_D)
     acc = tl.zeros([BLOCK_T * BLOCK_HP, BLOCK_D], tl.float32)
     for s in tl.range(0, KS, 2, num_stages=NUM_STAGES):
         ok0 = ok & (s < nv)
@@ -587,21 +571,13 @@ def _sa_bwd_kernel(
     if SKIP_EMPTY:  # interpreter only: on the GPU the masks below make padding items free
         if count == 0:
             return
-    start, g, tok0, kb, vb, kv_row, kv_mask = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G, D, BS, BLOCK_N, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    start, g, tok0, kb, vb, kv_row, kv_mask, offs_n, offs_d, d_ok = _item_kv(K, V, IT_KEY, IT_START, pid, count, N, G,
+                                                                            D, BS, BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    r_q = offs_m // HPG
-    head = g * HPG + offs_m % HPG
-    m_ok = offs_m < Q_TILE * HPG
     # the next sub-tile's Q, dO, lse and delta rows are prefetched by hand, as in the forward
-    ok0 = m_ok & (r_q < count)
-    n_cur = tl.load(ENT_Q + start + r_q, mask=ok0, other=0).to(tl.int64)
-    n_nxt = tl.load(ENT_Q + start + Q_TILE + r_q, mask=m_ok & (Q_TILE + r_q < count), other=0).to(tl.int64)
+    offs_m, r_q, head, m_ok, ok0, n_cur, n_nxt = _subtile_rows(ENT_Q, start, count, g, HPG, Q_TILE, BLOCK_M)
     r0 = ((n_cur * HQ + head) * D)[:, None] + offs_d[None, :]
     q_cur = tl.load(Q + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
     do_cur = tl.load(DO + r0, mask=ok0[:, None] & d_ok[None, :], other=0.0)
@@ -625,9 +601,7 @@ def _sa_bwd_kernel(
         n_cur = n_nxt
         n_nxt = tl.load(ENT_Q + e + 2 * Q_TILE, mask=m_ok & (qi + 2 * Q_TILE < count), other=0).to(tl.int64)
         sT = _mm(kb, tl.trans(qb), PREC, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
-        rel = tl.where(row_ok, (n - tok0).to(tl.int32), -1)
-        if BS < BLOCK_N:
-            rel = tl.minimum(rel, BS - 1)
+        rel = _visible_keys(row_ok, n, tok0, BS, BLOCK_N)
         pT = tl.exp2(sT - lse2[None, :])
         if _needs_causal_mask(row_ok, rel, BLOCK_N):
             pT = tl.where(offs_n[:, None] <= rel[None, :], pT, 0.0)
@@ -762,7 +736,7 @@ def _reduce_tile(Hq: int, D: int) -> tuple[int, int, int]:
     """(rows, heads, dims) of a merge / prologue program over Hq heads."""
     bd = max(16, _next_pow2(D))
     bh = min(_next_pow2(Hq), 16)
-    bt = max(1, (64 if not _interpret() else 256) // bh)  # the interpreter pays per op, not per element
+    bt = max(1, (64 if not interpret_mode() else 256) // bh)  # the interpreter pays per op, not per element
     return bt, bh, bd
 
 
@@ -774,7 +748,7 @@ def _selection_rows(block_idx: torch.Tensor, geo: _Geom) -> torch.Tensor:
 
 
 def _prec(dtype: torch.dtype) -> tuple[str, bool]:
-    return ("ieee" if dtype == torch.float32 else "tf32"), (_interpret() and dtype != torch.float32)
+    return ("ieee" if dtype == torch.float32 else "tf32"), (interpret_mode() and dtype != torch.float32)
 
 
 class _DeviceGuard:
@@ -792,7 +766,7 @@ class _DeviceGuard:
 
 def _pick(cfg: KernelConfig | None, gpu_cfg: KernelConfig, interp_cfg: KernelConfig) -> KernelConfig:
     if cfg is None:
-        return interp_cfg if _interpret() else gpu_cfg
+        return interp_cfg if interpret_mode() else gpu_cfg
     if not isinstance(cfg, KernelConfig):
         raise ValueError(f"config must be a KernelConfig or None, got {type(cfg).__name__}")
     return cfg
@@ -838,6 +812,55 @@ def _chunks(geo: _Geom, C: int, cu_seqlens) -> list[tuple[int, int, int]]:
     return [(n0, min(C, geo.N - n0), _entry_bound(n0, min(C, geo.N - n0), geo, cu_seqlens)) for n0 in range(0, geo.N, C)]
 
 
+@dataclass
+class _Launch:
+    """What a forward or backward launcher derives from its inputs: the geometry, the kernel
+    config and its tiles, the partials' dtype, the query chunks and the selection rows."""
+
+    geo: _Geom
+    cfg: KernelConfig
+    q_tile: int
+    bm: int
+    bn: int
+    bd: int
+    item_q: int
+    pdt: torch.dtype
+    chunks: list[tuple[int, int, int]]
+    sel: torch.Tensor
+    prec: str
+    upcast: bool
+
+
+def _launch(q, k, block_idx, cu_seqlens, block_size: int, cfg: KernelConfig, pdt: torch.dtype, lse_bytes: int,
+            chunk_rows: int | None, budget: int) -> _Launch:
+    geo = _geom(q, k, block_idx, block_size, cu_seqlens)
+    q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
+    C = _chunk_rows(geo, pdt.itemsize, lse_bytes, chunk_rows, budget)
+    prec, upcast = _prec(q.dtype)
+    return _Launch(geo, cfg, q_tile, bm, bn, bd, item_q, pdt, _chunks(geo, C, cu_seqlens),
+                   _selection_rows(block_idx, geo), prec, upcast)
+
+
+def _run_groups(lp: _Launch, cu_seqlens, with_lse: bool, device, poison: bool, launch_group) -> None:
+    """For each query chunk: its work list (the previous chunk's is released first), then
+    launch_group(items, partial buffers, grid, n0, rows, g) for each KV group g over one set of
+    partial buffers, allocated after the first work list (its sort's temporaries are freed by
+    then); poison: the buffers are NaN-filled before every group but the first (no slot of
+    another group or chunk may be read)."""
+    bufs = it = None
+    for n0, c, ent in lp.chunks:
+        it = None
+        it = _items(lp.sel, n0, c, lp.geo, cu_seqlens, lp.geo.bs, lp.item_q, device)
+        if bufs is None:
+            bufs = _partial_buffers(max(e for _, _, e in lp.chunks), lp.geo, lp.pdt, with_lse, device, poison)
+        grid = (_group_grid(ent, lp.item_q, lp.geo),)
+        for g in range(lp.geo.G):
+            if poison and (g or n0):
+                for buf in bufs:
+                    buf.fill_(float("nan"))
+            launch_group(it, bufs, grid, n0, c, g)
+
+
 def sparse_attention_fwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -860,41 +883,29 @@ def sparse_attention_fwd_triton(
     (default: CHUNK_BYTES of partials); poison: fill the internal partial buffers with NaN
     (tests that unwritten slots are masked).
     """
-    geo = _geom(q, k, block_idx, block_size, cu_seqlens)
-    cfg = _pick(config, FWD_CONFIG, INTERPRET_FWD)
-    q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
+    lp = _launch(q, k, block_idx, cu_seqlens, block_size, _pick(config, FWD_CONFIG, INTERPRET_FWD), q.dtype, 4,
+                 chunk_rows, CHUNK_BYTES)
+    geo, cfg = lp.geo, lp.cfg
     qf, kf, vf = q.contiguous(), k.contiguous(), v.contiguous()
     o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = lse_out if lse_out is not None else torch.empty((geo.B, geo.Hq, geo.T), dtype=torch.float32, device=q.device)
     assert o.is_contiguous() and lse.is_contiguous()
-    pdt = q.dtype
-    C = _chunk_rows(geo, pdt.itemsize, 4, chunk_rows, CHUNK_BYTES)
-    chunks = _chunks(geo, C, cu_seqlens)
-    sel = _selection_rows(block_idx, geo)
     qk_scale = float(scale) * 1.4426950408889634
-    prec, upcast = _prec(qf.dtype)
-    bufs = it = None
+
+    def launch_group(it: _Items, bufs, grid, n0: int, c: int, g: int) -> None:
+        OP, LP = bufs
+        _sa_fwd_kernel[grid](
+            qf, kf, vf, OP, LP,
+            it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
+            geo.N, n0, qk_scale, g, it.max_items,
+            HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=lp.q_tile,
+            BLOCK_M=lp.bm, BLOCK_N=lp.bn, BLOCK_D=lp.bd, PREC=lp.prec, UPCAST=lp.upcast, SKIP_EMPTY=interpret_mode(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _fwd_merge(OP, LP, it, o, lse, n0, c, geo, g)
+
     with _DeviceGuard(q):
-        for n0, c, ent in chunks:
-            it = None  # the previous chunk's work list goes before the next one is built
-            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, q.device)
-            if bufs is None:  # allocated after the first work list: its sort's temporaries are freed
-                bufs = _partial_buffers(max(e for _, _, e in chunks), geo, pdt, True, q.device, poison)
-            OP, LP = bufs
-            grid = (_group_grid(ent, item_q, geo),)
-            for g in range(geo.G):  # one group's items, partials and merge at a time
-                if poison and (g or n0):  # no slot of another group or chunk may be read
-                    OP.fill_(float("nan"))
-                    LP.fill_(float("nan"))
-                _sa_fwd_kernel[grid](
-                    qf, kf, vf, OP, LP,
-                    it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
-                    geo.N, n0, qk_scale, g, it.max_items,
-                    HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=geo.bs, HPG=geo.hpg, Q_TILE=q_tile,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                )
-                _fwd_merge(OP, LP, it, o, lse, n0, c, geo, g)
+        _run_groups(lp, cu_seqlens, True, q.device, poison, launch_group)
     return o, lse
 
 
@@ -923,9 +934,10 @@ def sparse_attention_bwd_triton(
     config: a KernelConfig (default BWD_CONFIG, INTERPRET_BWD under the interpreter);
     chunk_rows / poison: as in the forward (default chunk: BWD_CHUNK_BYTES of dq partials).
     """
-    geo = _geom(q, k, block_idx, block_size, cu_seqlens)
-    cfg = _pick(config, BWD_CONFIG, INTERPRET_BWD)
-    q_tile, bm, bn, bd, item_q = _tile(cfg, geo)
+    pdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    lp = _launch(q, k, block_idx, cu_seqlens, block_size, _pick(config, BWD_CONFIG, INTERPRET_BWD), pdt, 0,
+                 chunk_rows, BWD_CHUNK_BYTES)
+    geo, cfg = lp.geo, lp.cfg
     dev = q.device
     qf, kf, vf = q.contiguous(), k.contiguous(), v.contiguous()
     of, dof = o.contiguous(), do.contiguous()
@@ -936,14 +948,21 @@ def sparse_attention_bwd_triton(
     delta = torch.empty((geo.N, geo.Hq), dtype=torch.float32, device=dev)
     dka = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
     dva = torch.zeros((geo.N, geo.G, geo.D), dtype=torch.float32, device=dev)
-    pdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    C = _chunk_rows(geo, pdt.itemsize, 0, chunk_rows, BWD_CHUNK_BYTES)
-    chunks = _chunks(geo, C, cu_seqlens)
-    sel = _selection_rows(block_idx, geo)
-    prec, upcast = _prec(q.dtype)
     rbt, rbh, rbd = _reduce_tile(geo.Hq, geo.D)
     dlse_f = dlse.contiguous().float() if dlse is not None else lse2  # dummy pointer when absent
-    DQP = it = None
+
+    def launch_group(it: _Items, bufs, grid, n0: int, c: int, g: int) -> None:
+        (DQP,) = bufs
+        _sa_bwd_kernel[grid](
+            qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
+            it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
+            geo.N, n0, float(scale) * 1.4426950408889634, float(scale), g, it.max_items,
+            HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=lp.q_tile,
+            BLOCK_M=lp.bm, BLOCK_N=lp.bn, BLOCK_D=lp.bd, PREC=lp.prec, UPCAST=lp.upcast, SKIP_EMPTY=interpret_mode(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _dq_reduce(DQP, it, dq, n0, c, geo, g)
+
     with _DeviceGuard(q):
         _sa_bwd_pre_kernel[(triton.cdiv(geo.N, rbt), triton.cdiv(geo.Hq, rbh))](
             of, dof, lsef, dlse_f, lse2, delta,
@@ -951,24 +970,7 @@ def sparse_attention_bwd_triton(
             HQ=geo.Hq, D=geo.D, HAS_DLSE=dlse is not None,
             BLOCK_T=rbt, BLOCK_H=rbh, BLOCK_D=rbd, num_warps=4,
         )
-        for n0, c, ent in chunks:
-            it = None  # as in the forward: one work list at a time, dq partials after the first
-            it = _items(sel, n0, c, geo, cu_seqlens, block_size, item_q, dev)
-            if DQP is None:
-                (DQP,) = _partial_buffers(max(e for _, _, e in chunks), geo, pdt, False, dev, poison)
-            grid = (_group_grid(ent, item_q, geo),)
-            for g in range(geo.G):
-                if poison and (g or n0):
-                    DQP.fill_(float("nan"))
-                _sa_bwd_kernel[grid](
-                    qf, kf, vf, dof, lse2, delta, DQP, dka, dva,
-                    it.ent_q, it.it_key, it.it_start, it.it_count, it.grp_ent, it.grp_item,
-                    geo.N, n0, float(scale) * 1.4426950408889634, float(scale), g, it.max_items,
-                    HQ=geo.Hq, G=geo.G, D=geo.D, KS=geo.KS, BS=block_size, HPG=geo.hpg, Q_TILE=q_tile,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, UPCAST=upcast, SKIP_EMPTY=_interpret(),
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                )
-                _dq_reduce(DQP, it, dq, n0, c, geo, g)
+        _run_groups(lp, cu_seqlens, False, dev, poison, launch_group)
     dk = dka.view(k.shape).to(k.dtype)
     dv = dva.view(v.shape).to(v.dtype)
     if dk_out is not None:

@@ -62,11 +62,11 @@ offsets), set by the launchers; their defaults (masked, 64-bit) are always corre
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from msakit.ops.dispatch import interpret_mode
 
 __all__ = [
     "mxfp8_quantize_triton",
@@ -86,7 +86,7 @@ _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Interpreted or compiled: fixed for the process (TRITON_INTERPRET=1 must be set before triton
 # is imported).  Device helpers branch on it at compile time.
-_INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERP = tl.constexpr(interpret_mode())
 
 _SIGN2 = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: the sign bits of a packed 16-bit pair
 
@@ -977,10 +977,6 @@ def nvfp4_amax_scale_triton(x: torch.Tensor, *, block: int = 16384) -> tuple[tor
 # ----------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 # Default elements per program on GPU, per kernel family (the interpreter uses 16K everywhere);
 # None: 4K, for kernels built on these helpers elsewhere.
 # NVFP4's 2048 comes from a tile sweep on an H200 at 8192 x 8192 (benchmarks/NOTES.md, "Format
@@ -990,7 +986,7 @@ _DEFAULT_TILE = {"mxfp8": 8192, "nvfp4": 2048, None: 4096}
 
 
 def default_tile_elems(family: str | None) -> int:
-    return 16384 if _interpreting() else _DEFAULT_TILE[family]
+    return 16384 if interpret_mode() else _DEFAULT_TILE[family]
 
 
 def _tile(n_blocks: int, bs: int, tile_elems: int | None, family: str | None = None) -> int:
