@@ -9,7 +9,7 @@ q_idx [B, T, G, Di] or None for a layer without an index branch), a view of the 
 | keys                                   | sparse mode (with q_idx)                  | dense mode            |
 |----------------------------------------|-------------------------------------------|-----------------------|
 | HeldKeys, positions None, T == Lk      | `ops.index_topk` + `ops.sparse_attention` | `ops.dense_attention` |
-|   (training, prefill; packed documents)| (+ `ops.index_kl_loss` on the same blocks)|                       |
+|   (training, prefill; packed documents)| (`ops.sparse_attention_with_kl` with the KL)|                     |
 | HeldKeys, positions None, T < Lk       | `select_blocks` + `sparse_attention_reference` (+ KL reference) | causal SDPA at the offset |
 | HeldKeys, positions [B, T]             | `select_blocks` at the positions + masked SDPA | masked SDPA      |
 | PagedKeys                              | `ops.msa_decode`                          | gathered pages, masked SDPA |
@@ -37,7 +37,7 @@ from msakit import ops
 from msakit.cache.base import DeferredPagedKeys, HeldKeys, PagedKeys
 from msakit.cache.paged import PagedKVCache, gather_pages
 from msakit.ops.decode import msa_decode
-from msakit.ops.index_kl import index_kl_loss_reference
+from msakit.ops.index_kl import index_kl_loss_reference, selected_lse
 from msakit.ops.index_topk import Selection, select_blocks, selected_token_mask
 from msakit.ops.sparse_attention import sparse_attention_reference
 
@@ -146,7 +146,7 @@ def _sequence(q, q_idx, keys: HeldKeys, sel: Selection, *, mode, compute_kl, kl_
     for s, e in segments:
         whole = (s, e) == (0, T)
         qs, ks, vs = (q, k, v) if whole else (q[:, s:e], k[:, s:e], v[:, s:e])
-        qis = kis = bi = lse = None
+        qis = kis = bi = None
         if has_index:
             qis, kis = (q_idx, k_idx) if whole else (q_idx[:, s:e], k_idx[:, s:e])
         if do_select:
@@ -155,19 +155,25 @@ def _sequence(q, q_idx, keys: HeldKeys, sel: Selection, *, mode, compute_kl, kl_
             else:
                 bi = select(qis, kis, sel)
             bidxs.append(bi)
+        term = None
         if mode == "sparse" and bi is not None:
-            if compute_kl and kl_tokens == "selected":  # the KL reuses the forward's LSE over the same blocks
-                o, lse = ops.sparse_attention(qs, ks, vs, bi, block_size=sel.block_size, softmax_scale=softmax_scale,
-                                              return_lse=True)
-                lse = lse.detach()
+            if compute_kl and kl_tokens == "selected":  # one call: the KL reuses the forward's LSE
+                o, term = ops.sparse_attention_with_kl(qs, ks, vs, qis, kis, bi, block_size=sel.block_size,
+                                                       softmax_scale=softmax_scale)
             else:
                 o = ops.sparse_attention(qs, ks, vs, bi, block_size=sel.block_size, softmax_scale=softmax_scale)
         else:
             o = ops.dense_attention(qs, ks, vs, softmax_scale=softmax_scale)
         outs.append(o)
-        if compute_kl:
+        if compute_kl and term is None:
+            # dense mode (the warm-up): no sparse forward to share, the KL kernel takes the LSE of its
+            # own pass over the selected tokens (`selected_lse`); the references need none
+            lse = None
+            if kl_tokens == "selected" and qs.is_cuda:
+                lse = selected_lse(qs, ks, bi, block_size=sel.block_size, softmax_scale=softmax_scale, validate=False)
             term = ops.index_kl_loss(qs, ks, qis, kis, bi, block_size=sel.block_size, softmax_scale=softmax_scale,
                                      over=kl_tokens, lse=lse)
+        if term is not None:
             term = term if whole else term * ((e - s) / T)
             kl = term if kl is None else kl + term
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

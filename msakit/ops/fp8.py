@@ -45,7 +45,7 @@ def quantize_fp8(x: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tenso
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have a last dimension >= 1 to quantize per row, got shape {tuple(x.shape)}")
     if use_triton("quantize_fp8", backend, x.device):
-        from .index_topk.triton import quantize_fp8_triton
+        from .fp8_triton import quantize_fp8_triton  # imported where it launches: triton is optional
 
         return quantize_fp8_triton(x)
     return quantize_fp8_reference(x)

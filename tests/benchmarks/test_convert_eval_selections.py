@@ -34,7 +34,7 @@ def test_selections_stage_dry_run(tmp_path, monkeypatch):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     for bs, k in convert_eval.BUDGETS:
         torch.manual_seed(0)
-        model = convert_dense_to_msa(transformers.Qwen2ForCausalLM(cfg).eval(), block_size=bs, topk_blocks=k)
+        model = convert_dense_to_msa(transformers.Qwen2ForCausalLM(cfg).eval(), block_size=bs, topk=k)
         model.save_pretrained(work / convert_eval.warm_name("qk", "selected", bs) / "model")
     res = convert_eval.stage_selections(work, out, tokens=1000, time_budget=1.0, lr=1e-3, lengths=(64, 96),
                                         layers=(1,))

@@ -160,10 +160,11 @@ def test_two_call_form_warns_once_and_one_call_does_not():
         ops.index_kl_loss(q, k, qi, ki, bi, block_size=16, lse=lse)
         ops.index_kl_loss(q, k, qi, ki, bi, block_size=16, backend="reference")  # the reference never uses lse
     assert not [w for w in rec if "index_kl_loss" in str(w.message)]
-    with warnings.catch_warnings(record=True) as rec:
+    with warnings.catch_warnings(record=True) as rec:  # the kernel path recomputes the lse: warned once
         warnings.simplefilter("always")
-        ops.index_kl_loss(q, k, qi, ki, bi, block_size=16)
-        ops.index_kl_loss(q, k, qi, ki, bi, block_size=16)
+        ops.index_kl_loss(q, k, qi, ki, bi, block_size=16)  # CPU tensors, "auto": the reference, no warning
+        ops.index_kl_loss(q, k, qi, ki, bi, block_size=16, backend="triton")
+        ops.index_kl_loss(q, k, qi, ki, bi, block_size=16, backend="triton")
     hits = [w for w in rec if "without lse" in str(w.message)]
     assert len(hits) == 1 and hits[0].category is RuntimeWarning
     assert "sparse_attention_with_kl" in str(hits[0].message)

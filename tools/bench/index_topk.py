@@ -198,7 +198,7 @@ def check_and_bench(
     from msakit.ops.index_topk import index_topk
     from msakit.ops.fp8 import quantize_fp8_reference as quantize_fp8_rows
     from msakit.ops.index_topk.triton import launch
-    from msakit.ops.index_topk.triton import quantize_fp8_triton as quantize_fp8
+    from msakit.ops.fp8_triton import quantize_fp8_triton as quantize_fp8
 
     dev = torch.device(device)
     sel_kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)

@@ -160,7 +160,9 @@ def index_kl_loss(
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
 
-    if lse is None and over == "selected" and backend != "reference":
+    fp64 = torch.float64 in (q.dtype, q_idx.dtype)
+    kernel = use_triton("index_kl_loss", backend, q.device) and not (fp64 and backend == "auto")
+    if kernel and lse is None and over == "selected":
         warn_once(
             "index_kl_loss:lse",
             "msakit: index_kl_loss without lse computes the main branch's log-sum-exp over the selected tokens "
@@ -168,8 +170,6 @@ def index_kl_loss(
             "ops.sparse_attention_with_kl shares the forward's, or pass lse=sparse_attention(..., return_lse=True)[1] "
             "(without a sparse forward, e.g. a dense warm-up, lse=None is the cheapest form)",
         )
-    fp64 = torch.float64 in (q.dtype, q_idx.dtype)
-    kernel = use_triton("index_kl_loss", backend, q.device) and not (fp64 and backend == "auto")
     if kernel and over == "all":  # the kernel takes a selection; the chunked path covers "all"
         warn_once("index_kl_loss:all", "msakit: index_kl_loss(over='all') runs the chunked PyTorch path, not the Triton kernel")
     if kernel and over == "selected":

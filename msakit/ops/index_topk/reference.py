@@ -180,33 +180,25 @@ def attention_block_mass(
     return p.view(B, G, T, nb, block_size).sum(-1).float()
 
 
-def index_topk_reference(
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    *,
-    block_size: int,
-    topk: int,
-    local_blocks: int = 1,
-    init_blocks: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q_idx [B, T, G, Di], k_idx [B, Tk, Di] -> block_idx int32 [B, G, T, topk]: `select_blocks`
-    with the queries at the last T of the Tk key positions.
+def index_topk_reference(q_idx: torch.Tensor, k_idx: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                         **selection: int) -> torch.Tensor:
+    """The `index_topk` op's meaning: `select_blocks(q_idx, k_idx, **selection)` (block_size, topk,
+    local_blocks, init_blocks) with the T queries at the last T of the Tk key positions ->
+    block_idx int32 [B, G, T, topk].
 
     cu_seqlens [ndocs + 1]: packed documents, q_idx [1, total, G, Di], k_idx [1, total, Di].
     Document d holds tokens cu_seqlens[d] .. cu_seqlens[d + 1] - 1 and is an independent
     sequence: its blocks are counted from its first token and the ids in its rows are relative
     to that token; tokens outside every document stay -1.
     """
-    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
     if cu_seqlens is None:
-        return select_blocks(q_idx, k_idx, **kw)
+        return select_blocks(q_idx, k_idx, **selection)
     _, total, G, _ = q_idx.shape
-    out = torch.full((1, G, total, topk), -1, dtype=torch.int32, device=q_idx.device)
+    out = torch.full((1, G, total, selection["topk"]), -1, dtype=torch.int32, device=q_idx.device)
     bounds = [int(x) for x in cu_seqlens.tolist()]
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e > s:
-            out[:, :, s:e] = select_blocks(q_idx[:, s:e], k_idx[:, s:e], **kw)
+            out[:, :, s:e] = select_blocks(q_idx[:, s:e], k_idx[:, s:e], **selection)
     return out
 
 
