@@ -87,7 +87,9 @@ class RealLike:
     A query's selection: the forced blocks (its own, the `local_blocks - 1` before it, the first
     `init_blocks`), then `topk` *slots* per (batch row, group), each holding one block that
     persists from query to query and is redrawn with probability `churn` per query (so
-    neighbouring queries share most of their sets); a draw takes, with probability `p_hot`, one
+    neighbouring queries share most of their sets), and all of them together with probability
+    `jump` per query (a query that looks elsewhere: the neighbour overlap of measured selections
+    is bimodal, most pairs equal or nearly disjoint); a draw takes, with probability `p_hot`, one
     of the group's `hot_blocks` long-range blocks (random positions, weights rank^-hot_zipf;
     shared by every query past them), otherwise a block at distance d = own block - block >=
     local_blocks with P(d) ~ d^-dist_alpha (recency).  Duplicates and blocks not yet visible give
@@ -96,17 +98,19 @@ class RealLike:
 
     local_blocks: int = 1
     init_blocks: int = 0
-    churn: float = 0.05
-    hot_blocks: int = 8
+    churn: float = 0.35
+    jump: float = 0.6
+    hot_blocks: int = 4
     hot_zipf: float = 1.0
-    p_hot: float = 0.3
+    p_hot: float = 0.9
     dist_alpha: float = 1.2
 
     def __post_init__(self) -> None:
         if self.local_blocks < 1 or self.init_blocks < 0 or self.hot_blocks < 0:
             raise ValueError(f"local_blocks >= 1, init_blocks >= 0 and hot_blocks >= 0 required, got {self}")
-        if not (0.0 < self.churn <= 1.0) or not (0.0 <= self.p_hot <= 1.0):
-            raise ValueError(f"churn must be in (0, 1] and p_hot in [0, 1], got {self.churn}, {self.p_hot}")
+        if not (0.0 < self.churn <= 1.0) or not (0.0 <= self.p_hot <= 1.0) or not (0.0 <= self.jump <= 1.0):
+            raise ValueError(f"churn must be in (0, 1], p_hot and jump in [0, 1], got {self.churn}, {self.p_hot}, "
+                             f"{self.jump}")
         if self.hot_zipf < 0 or self.dist_alpha < 0:
             raise ValueError(f"hot_zipf and dist_alpha must be >= 0, got {self.hot_zipf}, {self.dist_alpha}")
 
@@ -174,7 +178,8 @@ def real_like_block_idx(T: int, *, block_size: int = 128, topk: int = 16, batch:
         t = torch.arange(t0, t0 + C, device=dev)
         own = (t // block_size).view(1, 1, C).expand(R, S, C)
         # redraws: at rate churn, and for every slot at the first query that has a free block
-        change = (torch.rand(R, S, C, generator=g) < p.churn).to(dev) | (t == first_free).view(1, 1, C)
+        change = (torch.rand(R, S, C, generator=g) < p.churn) | (torch.rand(R, 1, C, generator=g) < p.jump)
+        change = change.to(dev) | (t == first_free).view(1, 1, C)
         u_kind = torch.rand(R, S, C, generator=g).to(dev)
         u_dist = torch.rand(R, S, C, generator=g).to(dev)
         dist = _power_law_distance(u_dist, torch.full_like(own, p.local_blocks), own.clamp(min=p.local_blocks),
@@ -201,12 +206,14 @@ def fit_real_like(target: dict, *, T: int, block_size: int, topk: int, groups: i
                   init_blocks: int = 0, seed: int = 0, rounds: int = 3, log=None) -> tuple[RealLike, float]:
     """RealLike parameters whose selections at this shape reproduce `target` (a
     `tools.bench.selection_stats.selection_stats` dict of a measured selection): coordinate
-    search over churn, p_hot, hot_blocks, hot_zipf and dist_alpha minimising `stats_distance`.
+    search over churn, jump, p_hot, hot_blocks, hot_zipf and dist_alpha minimising
+    `stats_distance`.
     Returns (parameters, distance)."""
     from tools.bench.selection_stats import selection_stats
 
     grid = {
         "churn": [0.003, 0.006, 0.01, 0.02, 0.035, 0.05, 0.08, 0.12, 0.2, 0.35, 0.5, 0.7, 1.0],
+        "jump": [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85],
         "p_hot": [0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9],
         "hot_blocks": [0, 2, 4, 8, 16, 32, 64],
         "hot_zipf": [0.0, 0.5, 1.0, 1.5, 2.5],
@@ -219,6 +226,14 @@ def fit_real_like(target: dict, *, T: int, block_size: int, topk: int, groups: i
         return stats_distance(selection_stats(bi, block_size), target)
 
     best = score(cur)
+    for churn in grid["churn"][::2] + [1.0]:  # the persistence pair jointly first: coordinates alone stall
+        for jump in grid["jump"][::2]:
+            cand = replace(cur, churn=churn, jump=jump)
+            d = score(cand)
+            if d < best - 1e-9:
+                cur, best = cand, d
+    if log:
+        log(f"fit: churn, jump -> {cur.churn}, {cur.jump} (distance {best:.4f})")
     for _ in range(rounds):
         improved = False
         for name, values in grid.items():
@@ -235,10 +250,11 @@ def fit_real_like(target: dict, *, T: int, block_size: int, topk: int, groups: i
 
 
 def stats_distance(a: dict, b: dict) -> float:
-    """How far two selection_stats dicts are apart: neighbour Jaccard (mean, p10), union per tile
-    over slots (log ratio, per shared tile), distance histogram and popularity histogram (L1 of
-    the shares), the top block's share."""
-    d = 2.0 * abs(a["jaccard"]["mean"] - b["jaccard"]["mean"]) + abs(a["jaccard"]["p10"] - b["jaccard"]["p10"])
+    """How far two selection_stats dicts are apart: neighbour Jaccard (mean, p10, p50), union per
+    tile over slots (log ratio, per shared tile), distance histogram and popularity histogram (L1
+    of the shares), the top block's share."""
+    ja, jb = a["jaccard"], b["jaccard"]
+    d = 2.0 * abs(ja["mean"] - jb["mean"]) + abs(ja["p10"] - jb["p10"]) + abs(ja["p50"] - jb["p50"])
     tiles = set(a["union"]) & set(b["union"])
     for n in tiles:
         d += abs(math.log(max(a["union"][n]["over_slots"], 1e-9) / max(b["union"][n]["over_slots"], 1e-9))) / len(tiles)
