@@ -89,20 +89,9 @@ class PagedKVCache:
     """K / V pools for `num_layers` layers plus index-key pools for the MSA layers, one page
     table for all.  See the module docstring for the layout and the API."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        *,
-        num_kv_heads: int,
-        head_dim: int,
-        index_dim: int = 0,
-        page_size: int = 128,
-        kv_dtype: torch.dtype = torch.bfloat16,
-        index_dtype: torch.dtype = torch.bfloat16,
-        index_layers=None,
-        device=None,
-    ) -> None:
+    def __init__(self, num_layers: int, num_pages: int, *, num_kv_heads: int, head_dim: int, index_dim: int = 0,
+                 page_size: int = 128, kv_dtype: torch.dtype = torch.bfloat16,
+                 index_dtype: torch.dtype = torch.bfloat16, index_layers=None, device=None) -> None:
         for name, val in (("num_layers", num_layers), ("num_pages", num_pages), ("num_kv_heads", num_kv_heads),
                           ("head_dim", head_dim), ("page_size", page_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:

@@ -133,7 +133,8 @@ def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: to
 class GroupedExperts(nn.Module):
     """E SwiGLU-OAI experts with stacked weights w1 (gate) / w3 (up) [E, I, H] and w2 (down) [E, H, I]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float = 1.702, limit: float = 7.0) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float = 1.702,
+                 limit: float = 7.0) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
@@ -209,20 +210,9 @@ class MoE(nn.Module):
     forward(x [..., H]) -> (y [..., H], load float32 [E]: tokens routed to each expert).
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        num_experts: int,
-        top_k: int,
-        intermediate_size: int,
-        *,
-        shared_intermediate_size: int = 0,
-        routed_scaling_factor: float = 1.0,
-        norm_topk_prob: bool = True,
-        use_routing_bias: bool = True,
-        alpha: float = 1.702,
-        limit: float = 7.0,
-    ) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *,
+                 shared_intermediate_size: int = 0, routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True,
+                 use_routing_bias: bool = True, alpha: float = 1.702, limit: float = 7.0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")

@@ -586,25 +586,14 @@ def _streams(generator: torch.Generator | None, device: torch.device) -> tuple[t
 
 
 @torch.no_grad()
-def speculative_generate(
-    target,
-    drafter: DSparkDrafter,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    num_drafts: int | None = None,
-    confidence_budget: bool = False,
-    budget_cost: tuple[float, float] | Callable[[torch.Tensor], torch.Tensor] | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    streamer: Callable[[list[list[int]]], Any] | None = None,
-    return_stats: bool = False,
-    cuda_graph: bool | None = None,
-    cache: str = "auto",
-):
+def speculative_generate(target, drafter: DSparkDrafter, prompt: torch.Tensor, max_new_tokens: int, *,
+                         temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                         generator: torch.Generator | None = None, num_drafts: int | None = None,
+                         confidence_budget: bool = False,
+                         budget_cost: tuple[float, float] | Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         eos_token_id: int | Sequence[int] | None = None,
+                         streamer: Callable[[list[list[int]]], Any] | None = None, return_stats: bool = False,
+                         cuda_graph: bool | None = None, cache: str = "auto"):
     """Sample `max_new_tokens` after prompt [B, T] with DSpark speculative decoding -> tokens
     [B, T + n] (and a `SpecStats` with return_stats).
 

@@ -57,15 +57,8 @@ def _positions(positions: torch.Tensor | None, B: int, T: int, Lk: int, device) 
     return positions.to(device=device, dtype=torch.long)
 
 
-def rank_blocks(
-    scores: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    block_size: int,
-    topk: int,
-    local_blocks: int = 1,
-    init_blocks: int = 0,
-) -> torch.Tensor:
+def rank_blocks(scores: torch.Tensor, positions: torch.Tensor, *, block_size: int, topk: int, local_blocks: int = 1,
+                init_blocks: int = 0) -> torch.Tensor:
     """THE selection rule (module docstring): scores float [B, G, T, nb] (NaN = -inf) of
     queries at positions int [B or 1, T] -> block ids int32 [B, G, T, topk]."""
     B, G, T, nb = scores.shape
@@ -102,16 +95,8 @@ def block_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, positions: torch.Tens
     return s.view(B, G, T, nb, block_size).amax(dim=-1)
 
 
-def select_blocks(
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    *,
-    block_size: int,
-    topk: int,
-    local_blocks: int = 1,
-    init_blocks: int = 0,
-    positions: torch.Tensor | None = None,
-) -> torch.Tensor:
+def select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, *, block_size: int, topk: int, local_blocks: int = 1,
+                  init_blocks: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """The indexer's selection: `rank_blocks(block_scores(...))`, chunked over the queries.
 
     q_idx [B, T, G, Di], k_idx [B, Lk, Di]; positions int [B or 1, T] (query i of row b sits at
