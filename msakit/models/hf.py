@@ -46,10 +46,27 @@ from msakit.models.adapters import (
     find_family,
     on_family_registered,
 )
-from msakit.models.hooks import (add_hook, attach, attached, hf_sdpa_attention, register_attention,
-                                 set_attention_handler, use_msakit_attention)
-from msakit.models.interface import (ForwardCall, M3Output, SelectionPolicy, begin_forward, check_kl_tokens,
-                                     check_mode, check_policy, end_forward, index_parameters)
+from msakit.models.hooks import (
+    add_hook,
+    attach,
+    attached,
+    hf_sdpa_attention,
+    register_attention,
+    set_attention_handler,
+    use_msakit_attention,
+)
+from msakit.models.interface import (
+    ForwardCall,
+    M3Output,
+    SelectionPolicy,
+    begin_forward,
+    check_kl_tokens,
+    check_mode,
+    check_policy,
+    end_forward,
+    index_parameters,
+)
+from msakit.models.io import manifest_entries
 from msakit.nn.attention import MSAConfig
 from msakit.nn.core import attend, selection_info
 from msakit.nn.norm import GemmaRMSNorm
@@ -375,6 +392,7 @@ def load_hf_model(folder: str | os.PathLike[str], device: Any = None, dtype: tor
         from transformers import AutoModelForCausalLM
     except ImportError:  # pragma: no cover - transformers is in the env
         raise ValueError(f"loading the HF model in {folder} needs `transformers` (pip install msakit[hf])") from None
+    manifest_entries(folder)  # the files its index names lie inside the folder
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32,
                                                        local_files_only=True, output_loading_info=True)
     if strict and info.get("missing_keys"):

@@ -146,18 +146,35 @@ def save_tensors(
     return files
 
 
-def weight_files(folder: str | os.PathLike[str]) -> dict[str, list[str]]:
-    """{file path: [tensor names]} of a single-file or sharded safetensors checkpoint."""
+def manifest_entries(folder: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """[(tensor name, file name)] of `folder`'s safetensors index ([] without one), each file checked
+    to lie inside `folder` (no absolute path, no `..` or link out of it): ValueError otherwise."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        return []
+    try:
+        items = list(json.loads(index.read_text(encoding="utf-8"))["weight_map"].items())
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index}: not a safetensors index ({e})") from None
+    root = folder.resolve()
+    for name, fname in items:
+        if not isinstance(fname, str) or not fname:
+            raise ValueError(f"{index}: the file of tensor {name!r} is not a file name: {fname!r}")
+        if Path(fname).is_absolute() or not (folder / fname).resolve().is_relative_to(root):
+            raise ValueError(f"{index}: tensor {name!r} names {fname!r}, a file outside {folder}: refused")
+    return items
 
+
+def weight_files(folder: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """{file path: [tensor names]} of a single-file or sharded safetensors checkpoint.  Every file
+    the index names must lie inside `folder` (no absolute paths, no `..` out of it, no link out of
+    it): ValueError otherwise."""
     folder = Path(folder)
     index = folder / INDEX_FILE
     out: dict[str, list[str]] = {}
     if index.is_file():
-        try:
-            wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index ({e})") from None
-        for name, fname in wm.items():
+        for name, fname in manifest_entries(folder):
             out.setdefault(str(folder / fname), []).append(name)
         for f in out:
             if not Path(f).is_file():
