@@ -67,10 +67,10 @@ from msakit.models.interface import (
     index_parameters,
 )
 from msakit.models.io import manifest_entries
-from msakit.nn.attention import MSAConfig
+from msakit.nn.attention import MSAConfig, index_projections
 from msakit.nn.core import attend, selection_info
 from msakit.nn.norm import GemmaRMSNorm
-from msakit.nn.rope import apply_partial_rope, rope_cos_sin
+from msakit.nn.rope import rope_cos_sin
 from msakit.ops.index_topk import Selection
 
 __all__ = [
@@ -224,15 +224,11 @@ class MSAHandler:
         self.hf_cache = kwargs.get("cache", kwargs.get("past_key_values"))
 
     def index_project(self, module: nn.Module, hidden: torch.Tensor, positions: torch.Tensor):
-        """q_idx [B, T, G, Di], k_idx [B, T, Di] of the layer input (normed, RoPE'd)."""
+        """q_idx [B, T, G, Di], k_idx [B, T, Di] of the layer input (`msakit.nn.attention.index_projections`
+        with the index branch's own partial RoPE)."""
         cfg = self.state.cfg
-        B, T, _ = hidden.shape
-        h = hidden.detach()  # stop-gradient: the KL never reaches the backbone through the indexer input
-        G, Di = cfg.num_kv_heads, cfg.index_dim
-        q_idx = module.index_q_norm(module.index_q_proj(h).view(B, T, G, Di))
-        k_idx = module.index_k_norm(module.index_k_proj(h).view(B, T, 1, Di))
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-        return apply_partial_rope(q_idx, cos, sin), apply_partial_rope(k_idx, cos, sin).squeeze(2)
+        return index_projections(module, hidden, cos, sin, cfg)
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         st, layer = self.state, self.layer

@@ -36,7 +36,7 @@ from msakit.nn.norm import GemmaRMSNorm
 from msakit.nn.rope import apply_partial_rope, rope_cos_sin
 from msakit.ops.index_topk import Selection
 
-__all__ = ["MSAConfig", "MSAAttention", "GQAProjections", "MODES", "KL_TOKENS", "INDEX_MODULES"]
+__all__ = ["MSAConfig", "MSAAttention", "GQAProjections", "MODES", "KL_TOKENS", "INDEX_MODULES", "index_projections"]
 
 # the index branch's modules under an attention module (HF MiniMax-M3 names)
 INDEX_MODULES = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
@@ -72,6 +72,20 @@ class MSAConfig:
             raise ValueError(f"selection must be a Selection, got {type(self.selection).__name__}")
         if self.kl_tokens not in KL_TOKENS:
             raise ValueError(f"kl_tokens must be one of {KL_TOKENS}, got {self.kl_tokens!r}")
+
+
+def index_projections(module: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cfg: MSAConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index branch of `module` (its `index_q_proj`, `index_k_proj`, `index_q_norm`,
+    `index_k_norm`) on the layer input hidden [B, T, H] -> q_idx [B, T, G, Di], k_idx [B, T, Di],
+    normed and rotated by the partial RoPE (cos, sin of `rope_cos_sin`).  The input is detached,
+    the seed's stop-gradient: the KL never reaches the backbone through the indexer.  It reads the
+    2-D view [B*T, H] as the main projections do (inductor can merge same-input linears)."""
+    B, T, H = hidden.shape
+    h = hidden.reshape(B * T, H).detach()
+    q_idx = module.index_q_norm(module.index_q_proj(h).view(B, T, cfg.num_kv_heads, cfg.index_dim))
+    k_idx = module.index_k_norm(module.index_k_proj(h).view(B, T, 1, cfg.index_dim))
+    return apply_partial_rope(q_idx, cos, sin), apply_partial_rope(k_idx, cos, sin).squeeze(2)
 
 
 class GQAProjections(nn.Module):
@@ -157,13 +171,7 @@ class MSAAttention(GQAProjections):
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         if not (self.index_branch and with_index):
             return q, k, v, None, None
-        # stop-gradient: the KL never reaches the backbone through the indexer input (without
-        # autograd there is nothing to stop, and the index projections share q/k/v's input)
-        h_idx = h2.detach() if torch.is_grad_enabled() else h2
-        q_idx = self.index_q_norm(self.index_q_proj(h_idx).view(B, T, c.num_kv_heads, c.index_dim))
-        k_idx = self.index_k_norm(self.index_k_proj(h_idx).view(B, T, 1, c.index_dim))
-        q_idx, k_idx = apply_partial_rope(q_idx, cos, sin), apply_partial_rope(k_idx, cos, sin).squeeze(2)
-        return q, k, v, q_idx, k_idx
+        return (q, k, v) + index_projections(self, hidden, cos, sin, c)
 
     def _policy_selection(self, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor | None,
                           k_idx: torch.Tensor | None, segments: Sequence[tuple[int, int]] | None) -> torch.Tensor | None:

@@ -78,7 +78,7 @@ def attend(
     if not isinstance(sel, Selection):
         raise ValueError(f"sel must be a msakit.ops.index_topk.Selection, got {type(sel).__name__}")
     sparse = mode == "sparse" and (q_idx is not None or block_idx is not None)
-    if block_idx is not None and not isinstance(keys, HeldKeys) or (block_idx is not None and keys.positions is not None):
+    if block_idx is not None and not (isinstance(keys, HeldKeys) and keys.positions is None):
         raise ValueError("a given block_idx applies to queries at the end of held keys (HeldKeys without positions)")
     if isinstance(keys, DeferredPagedKeys):
         return paged_step_attend(q, q_idx, keys.k, keys.v, keys.k_idx, keys.slots, keys.page_table, keys.seq_lens,
@@ -283,11 +283,10 @@ def _paged(q, q_idx, keys: PagedKeys, sel: Selection, softmax_scale):
     k = gather_pages(pools.k, pools.k_scale, table).transpose(1, 2)  # [B, W * ps, G, D] (a view)
     v = gather_pages(pools.v, pools.v_scale, table).transpose(1, 2)
     mask = keys.memo.get("mask")
-    if mask is None:
+    if mask is None:  # the new tokens are the last nq positions of each row
         nq = q.shape[1]
         rows = keys.seq_lens.long().unsqueeze(1) - nq + torch.arange(nq, device=q.device)  # [B, nq]
-        cols = torch.arange(k.shape[1], device=q.device)
-        mask = keys.memo["mask"] = (cols.view(1, 1, -1) <= rows.unsqueeze(-1)).unsqueeze(1)
+        mask = keys.memo["mask"] = _causal(rows, k.shape[1])(0, nq)
     return masked_attention(q, k, v, lambda i0, i1: mask[:, :, i0:i1], _scale(q, softmax_scale))
 
 
