@@ -20,7 +20,11 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import site
 import time
+
+if os.path.isdir(os.path.expanduser("~/site")):  # the device's optional wheels (pip install --target ~/site)
+    site.addsitedir(os.path.expanduser("~/site"))
 
 try:  # optional dependency (pip install nvidia-cutlass-dsl); the DSL resolves names in module globals
     import cutlass
@@ -76,6 +80,9 @@ if cutlass is not None:
             tCgC = thr_mma.partition_C(cute.local_tile(mC, (M, N), (wg, 0)))
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             acc.fill(0.0)
+            # wgmma's scale-d operand comes from the TiledMma's ACCUMULATE field (a kernel
+            # parameter, False unless set): without this each k-block overwrote the accumulator.
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
             for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
                 cute.gemm(tiled_mma, acc, tCrA[None, None, k, 0], tCrB[None, None, k, 0], acc)
