@@ -5,6 +5,8 @@
 What each peer is fed (M3 shape: 64 query heads, 4 KV heads, d 128, block 128, top-16):
 - `msakit`: `msakit.ops.sparse_attention` (exact MSA: each query row attends to its own blocks,
   causal inside its own block).
+- `query_outer`: the per-token query-outer Triton design Hopper engines run today
+  (`tools/bench/query_outer.py`, rebuilt from its description; exact MSA).
 - `cudnn_union`: cuDNN frontend's block-sparse attention (`cudnn.block_sparse_attention`,
   SM90 blk128): per 128-query tile, the union of the blocks its queries select, replicated to the
   16 heads of the group; no per-row mask and no causal mask exist in its API, so this computes
@@ -117,7 +119,10 @@ def make_fa4_mask(per_group: int, block_size: int):
     return msa_mask
 
 
-def run(T_list, kinds, *, peers=("msakit", "cudnn_union", "fa4_union", "fa4_exact"), check_rows: int = 64,
+PEERS = ("msakit", "query_outer", "cudnn_union", "fa4_union", "fa4_exact")
+
+
+def run(T_list, kinds, *, peers=PEERS, check_rows: int = 64,
         verbose: bool = True) -> list[dict]:
     dev = torch.device("cuda")
     Hq, G, D, bs, topk = (M3_SHAPE[k] for k in ("Hq", "G", "D", "block_size", "topk"))
@@ -164,6 +169,10 @@ def _peer(peer, q, k, v, bi, idx, cnt, *, scale, per_group, bs):
         from msakit.ops.sparse_attention import sparse_attention
 
         return (lambda: (sparse_attention(q, k, v, bi, block_size=bs, softmax_scale=scale),)), True
+    if peer == "query_outer":
+        from tools.bench.query_outer import query_outer_attention
+
+        return (lambda: query_outer_attention(q, k, v, bi, block_size=bs, softmax_scale=scale)), True
     if peer == "cudnn_union":
         from cudnn.block_sparse_attention import block_sparse_attention_forward
 
@@ -216,7 +225,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[16384, 131072])
     ap.add_argument("--kinds", nargs="+", default=["random", "trained", "real"])
-    ap.add_argument("--peers", nargs="+", default=["msakit", "cudnn_union", "fa4_union", "fa4_exact"])
+    ap.add_argument("--peers", nargs="+", default=list(PEERS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     env = environment()
