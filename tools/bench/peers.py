@@ -205,6 +205,50 @@ def _peer(peer, q, k, v, bi, idx, cnt, *, scale, per_group, bs):
     raise ValueError(f"unknown peer {peer!r}")
 
 
+def union_sweep(T_list, kinds, *, verbose=True) -> list[dict]:
+    """msakit's two forward loop orders and its choice, per T and kind: the KV-outer kernel alone,
+    the union-tile kernel alone (its plan included; `plan_ms` alone), the public op (the sampled
+    choice, `estimate_ms`), with the mean union ratio, useful TFLOP/s and errors on sampled rows."""
+    from msakit.ops.sparse_attention import sparse_attention
+    from msakit.ops.sparse_attention import triton as kernels
+    from msakit.ops.sparse_attention.union import (estimate_union_ratio, sparse_attention_fwd_union, union_plan,
+                                                   union_q_tile)
+
+    dev = torch.device("cuda")
+    Hq, G, D, bs, topk = (M3_SHAPE[k] for k in ("Hq", "G", "D", "block_size", "topk"))
+    scale = 1.0 / math.sqrt(D)
+    qt = union_q_tile(Hq // G, topk)
+    out = []
+    for T in T_list:
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(1, T, Hq, D, device=dev, generator=g, dtype=torch.bfloat16)
+        k = torch.randn(1, T, G, D, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.randn(1, T, G, D, device=dev, generator=g, dtype=torch.bfloat16)
+        check = sample_rows(T, 64, bs, torch.Generator().manual_seed(1))
+        flops = 4.0 * Hq * D * bs * topk * T
+        for kind in kinds:
+            bi = selection(kind, T, G=G, block_size=bs, topk=topk, device=dev)
+            ro, _ = reference_rows(q, k, v, bi, check, block_size=bs)
+            row = {"T": T, "kind": kind, "q_tile": qt, "ratio": estimate_union_ratio(bi, qt),
+                   "plan_ms": time_ms(lambda: union_plan(bi, qt)),
+                   "estimate_ms": time_ms(lambda: estimate_union_ratio(bi, qt))}
+            paths = {"kv_outer": lambda: kernels.sparse_attention_fwd_triton(q, k, v, bi, None, bs, scale),
+                     "union": lambda: sparse_attention_fwd_union(q, k, v, bi, bs, scale),
+                     "auto": lambda: sparse_attention(q, k, v, bi, block_size=bs, return_lse=True, validate=False)}
+            for name, fn in paths.items():
+                try:
+                    row[f"{name}_rel_err"] = rel_err(fn()[0][0, check.to(dev)], ro)
+                    row[f"{name}_ms"] = time_ms(fn)
+                    row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+                except Exception as ex:  # record and go on
+                    row[f"{name}_error"] = f"{type(ex).__name__}: {ex}"[:600]
+            if verbose:
+                print(json.dumps(row), flush=True)
+            out.append(row)
+            del bi
+    return out
+
+
 def environment() -> dict:
     import triton
 
@@ -227,9 +271,19 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", nargs="+", default=["random", "trained", "real"])
     ap.add_argument("--peers", nargs="+", default=list(PEERS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--union-sweep", action="store_true", help="time msakit's union-tile choice instead of the peers")
     args = ap.parse_args(argv)
     env = environment()
     print(json.dumps(env), flush=True)
+    if args.union_sweep:
+        rows = union_sweep(args.T, args.kinds)
+        (Path(args.out) / "union_sweep.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        print(f"{'T':>8} {'kind':>8} {'ratio':>6} {'plan ms':>8} " + " ".join(f"{p + ' TF/s':>14}" for p in
+                                                                          ("kv_outer", "union", "auto")))
+        for r in rows:
+            print(f"{r['T']:>8} {r['kind']:>8} {r['ratio']:6.2f} {r['plan_ms']:8.3f} "
+                  + " ".join(f"{r.get(p + '_tflops', float('nan')):14.1f}" for p in ("kv_outer", "union", "auto")))
+        return
     rows = run(args.T, args.kinds, peers=tuple(args.peers))
     out = Path(args.out) / "peers.json"
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))

@@ -29,7 +29,8 @@ def _query_outer_kernel(q_ptr, k_ptr, v_ptr, bi_ptr, o_ptr, lse_ptr, T, scale_lo
     h = tl.arange(0, HPG)
     d = tl.arange(0, D)
     n = tl.arange(0, BS)
-    q = tl.load(q_ptr + ((b * T + t) * HQ + g * HPG + h)[:, None] * D + d[None, :])  # [HPG, D]
+    qrow = ((b * T + t).to(tl.int64) * HQ + g * HPG + h) * D  # int64: past 2^31 elements at 1M tokens
+    q = tl.load(q_ptr + qrow[:, None] + d[None, :])  # [HPG, D]
     m_i = tl.full([HPG], float("-inf"), tl.float32)
     l_i = tl.zeros([HPG], tl.float32)
     acc = tl.zeros([HPG, D], tl.float32)
@@ -38,7 +39,7 @@ def _query_outer_kernel(q_ptr, k_ptr, v_ptr, bi_ptr, o_ptr, lse_ptr, T, scale_lo
         if blk >= 0:
             pos = blk * BS + n
             ok = (pos <= t) & (pos < T)
-            kv = ((b * T + pos) * G + g)[:, None] * D + d[None, :]
+            kv = ((b * T + pos).to(tl.int64) * G + g)[:, None] * D + d[None, :]
             k = tl.load(k_ptr + kv, mask=ok[:, None], other=0.0)
             v = tl.load(v_ptr + kv, mask=ok[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(k)) * scale_log2  # [HPG, BS], log2 units
@@ -52,9 +53,9 @@ def _query_outer_kernel(q_ptr, k_ptr, v_ptr, bi_ptr, o_ptr, lse_ptr, T, scale_lo
             m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    tl.store(o_ptr + ((b * T + t) * HQ + g * HPG + h)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + qrow[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty))
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-    tl.store(lse_ptr + (b * HQ + g * HPG + h) * T + t, lse)
+    tl.store(lse_ptr + (b * HQ + g * HPG + h).to(tl.int64) * T + t, lse)
 
 
 def query_outer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,

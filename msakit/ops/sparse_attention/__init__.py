@@ -1,9 +1,11 @@
 """`sparse_attention`: attention restricted to the selected key blocks of each (group, query).
 
-Backends (see `msakit.ops.dispatch`): the KV-outer Triton kernels of `triton.py` (forward and backward,
-registered as the custom ops ``msakit::sparse_attention_fwd`` / ``msakit::sparse_attention_bwd``
-with fake implementations and autograd, so they work under torch.compile) or the PyTorch
-reference of `reference.py` (the meaning).
+Backends (see `msakit.ops.dispatch`): the Triton kernels, registered as the custom ops
+``msakit::sparse_attention_fwd`` / ``msakit::sparse_attention_bwd`` with fake implementations and
+autograd, so they work under torch.compile: the forward runs the union-tile kernel of `union.py`
+where consecutive queries share their blocks (a sampled estimate decides per call) and the
+KV-outer kernel of `triton.py` elsewhere; the backward is the KV-outer one.  Or the PyTorch reference of
+`reference.py` (the meaning).
 """
 
 from __future__ import annotations
@@ -33,7 +35,17 @@ _BWD_SCHEMA = (
 
 
 def _fwd_impl(q, k, v, block_idx, cu_seqlens, block_size, scale):
-    return _kernels().sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
+    kernels = _kernels()
+    if cu_seqlens is not None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # documents packed in one row, or a graph capture (the plan syncs the host): KV-outer alone
+        return kernels.sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
+    from .union import UNION_MAX_RATIO, estimate_union_ratio, sparse_attention_fwd_union, union_q_tile, union_supports
+
+    hpg, D = q.shape[2] // k.shape[2], q.shape[3]
+    qt = union_q_tile(hpg, block_idx.shape[3])
+    if union_supports(hpg, qt, D, block_size) and estimate_union_ratio(block_idx, qt) <= UNION_MAX_RATIO:
+        return sparse_attention_fwd_union(q, k, v, block_idx, block_size, scale, q_tile=qt)
+    return kernels.sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
 
 
 def _fwd_fake(q, k, v, block_idx, cu_seqlens, block_size, scale):
