@@ -207,12 +207,11 @@ def _peer(peer, q, k, v, bi, idx, cnt, *, scale, per_group, bs):
 
 def union_sweep(T_list, kinds, *, verbose=True) -> list[dict]:
     """msakit's two forward loop orders and its choice, per T and kind: the KV-outer kernel alone,
-    the union-tile kernel alone (its plan included; `plan_ms` alone), the public op (the sampled
-    choice, `estimate_ms`), with the mean union ratio, useful TFLOP/s and errors on sampled rows."""
+    the union-tile kernel alone (its plan included; `plan_ms` alone), the public op (its choice by
+    the plan's mean union ratio), with the mean union ratio, useful TFLOP/s and errors on sampled rows."""
     from msakit.ops.sparse_attention import sparse_attention
     from msakit.ops.sparse_attention import triton as kernels
-    from msakit.ops.sparse_attention.union import (estimate_union_ratio, sparse_attention_fwd_union, union_plan,
-                                                   union_q_tile)
+    from msakit.ops.sparse_attention.union import sparse_attention_fwd_union, union_plan, union_q_tile
 
     dev = torch.device("cuda")
     Hq, G, D, bs, topk = (M3_SHAPE[k] for k in ("Hq", "G", "D", "block_size", "topk"))
@@ -229,9 +228,8 @@ def union_sweep(T_list, kinds, *, verbose=True) -> list[dict]:
         for kind in kinds:
             bi = selection(kind, T, G=G, block_size=bs, topk=topk, device=dev)
             ro, _ = reference_rows(q, k, v, bi, check, block_size=bs)
-            row = {"T": T, "kind": kind, "q_tile": qt, "ratio": estimate_union_ratio(bi, qt),
-                   "plan_ms": time_ms(lambda: union_plan(bi, qt)),
-                   "estimate_ms": time_ms(lambda: estimate_union_ratio(bi, qt))}
+            row = {"T": T, "kind": kind, "q_tile": qt, "ratio": float(union_plan(bi, qt)[3].mean()),
+                   "plan_ms": time_ms(lambda: union_plan(bi, qt))}
             paths = {"kv_outer": lambda: kernels.sparse_attention_fwd_triton(q, k, v, bi, None, bs, scale),
                      "union": lambda: sparse_attention_fwd_union(q, k, v, bi, bs, scale),
                      "auto": lambda: sparse_attention(q, k, v, bi, block_size=bs, return_lse=True, validate=False)}

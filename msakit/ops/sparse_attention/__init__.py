@@ -3,7 +3,7 @@
 Backends (see `msakit.ops.dispatch`): the Triton kernels, registered as the custom ops
 ``msakit::sparse_attention_fwd`` / ``msakit::sparse_attention_bwd`` with fake implementations and
 autograd, so they work under torch.compile: the forward runs the union-tile kernel of `union.py`
-where consecutive queries share their blocks (a sampled estimate decides per call) and the
+where consecutive queries share their blocks (its plan's mean union ratio decides per call) and the
 KV-outer kernel of `triton.py` elsewhere; the backward is the KV-outer one.  Or the PyTorch reference of
 `reference.py` (the meaning).
 """
@@ -39,12 +39,14 @@ def _fwd_impl(q, k, v, block_idx, cu_seqlens, block_size, scale):
     if cu_seqlens is not None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         # documents packed in one row, or a graph capture (the plan syncs the host): KV-outer alone
         return kernels.sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
-    from .union import UNION_MAX_RATIO, estimate_union_ratio, sparse_attention_fwd_union, union_q_tile, union_supports
+    from .union import UNION_MAX_RATIO, sparse_attention_fwd_union, union_plan, union_q_tile, union_supports
 
     hpg, D = q.shape[2] // k.shape[2], q.shape[3]
     qt = union_q_tile(hpg, block_idx.shape[3])
-    if union_supports(hpg, qt, D, block_size) and estimate_union_ratio(block_idx, qt) <= UNION_MAX_RATIO:
-        return sparse_attention_fwd_union(q, k, v, block_idx, block_size, scale, q_tile=qt)
+    if union_supports(hpg, qt, D, block_size) and block_idx.shape[2] >= qt:
+        plan = union_plan(block_idx, qt)
+        if float(plan[3].mean()) <= UNION_MAX_RATIO:  # the mean union ratio (one host sync)
+            return sparse_attention_fwd_union(q, k, v, block_idx, block_size, scale, q_tile=qt, plan=plan)
     return kernels.sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
 
 

@@ -14,9 +14,10 @@ no host sync): per tile the sorted distinct valid blocks (`ulist` int32 [B, G, n
 -1 past `ucnt`), and per query row a bitmask of the union slots it selected (`bits` int32
 [B, G, nT * q_tile, W], bit s & 31 of word s >> 5).
 
-Choice (`sparse_attention`'s forward): `estimate_union_ratio` samples tiles; at a mean ratio up to
-`UNION_MAX_RATIO` the union kernel takes the whole call, else the KV-outer kernel does (a per-tile
-mix of the two, measured in run 26, gained nothing over the better of them).  The backward is the
+Choice (`sparse_attention`'s forward): the plan (about 1% of the forward) gives every tile's ratio;
+at a mean ratio up to `UNION_MAX_RATIO` the union kernel takes the whole call, else the KV-outer
+kernel does (one host sync; a per-tile mix of the two, measured in run 26, gained nothing over the
+better of them; sampling tiles in torch cost 0.7-1 ms a call, more than the plan).  The backward is the
 KV-outer backward either way (the same o and lse).
 """
 
@@ -28,14 +29,12 @@ import triton.language as tl
 
 from ..dispatch import interpret_mode
 
-__all__ = ["union_plan", "union_supports", "union_q_tile", "estimate_union_ratio", "sparse_attention_fwd_union",
-           "UNION_MAX_RATIO"]
+__all__ = ["union_plan", "union_supports", "union_q_tile", "sparse_attention_fwd_union", "UNION_MAX_RATIO"]
 
 UNION_ROWS = 128  # MMA rows per tile (run 26b: 8 queries x 16 heads beat 4 x 16 on every shape measured)
 # The union kernel runs ~360 TFLOP/s on the union's work and the KV-outer kernel ~220 on the useful
 # work (H100, M3 shape, run 26b), so the union pays below a mean ratio of ~1.6.
 UNION_MAX_RATIO = 1.6
-UNION_SAMPLES = 256  # tiles per (batch row, group) sampled by `estimate_union_ratio`
 
 
 def union_supports(heads_per_group: int, q_tile: int, head_dim: int, block_size: int) -> bool:
@@ -182,41 +181,18 @@ def union_q_tile(heads_per_group: int, topk: int) -> int:
     return qt
 
 
-def estimate_union_ratio(block_idx: torch.Tensor, q_tile: int, samples: int = UNION_SAMPLES) -> float:
-    """The mean union ratio (a tile's distinct blocks / its rows' mean distinct valid blocks) over
-    `samples` evenly spaced whole tiles of every (batch row, group); inf when T < q_tile.  One
-    host sync; cheap (samples x q_tile x topk entries), so the choice costs no plan."""
-    B, G, T, K = block_idx.shape
-    nT = T // q_tile
-    if nT == 0:
-        return float("inf")
-    t = torch.linspace(0, nT - 1, min(samples, nT), device=block_idx.device).long()
-    rows = (t[:, None] * q_tile + torch.arange(q_tile, device=block_idx.device)).flatten()
-    x = block_idx[:, :, rows].long().view(B, G, t.numel(), q_tile, K)
-    big = torch.iinfo(torch.int64).max
-
-    def distinct(y: torch.Tensor) -> torch.Tensor:  # [..., n] -> distinct valid values per row
-        y = torch.where(y >= 0, y, big).sort(dim=-1).values
-        new = y != big
-        new[..., 1:] &= y[..., 1:] != y[..., :-1]
-        return new.sum(-1).float()
-
-    per_row = distinct(x).mean(-1)  # [B, G, S]
-    union = distinct(x.flatten(-2))
-    return float((union / per_row.clamp_min(1.0)).mean())
-
-
 def sparse_attention_fwd_union(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float,
-    *, q_tile: int | None = None,
+    *, q_tile: int | None = None, plan: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o [B, T, Hq, D] (q.dtype), lse [B, Hq, T] fp32 by the union-tile kernel over every tile.
     Inputs are assumed checked by the caller (no cu_seqlens: one document per batch row) and
-    `union_supports` true for them; q_tile defaults to `union_q_tile`."""
+    `union_supports` true for them; q_tile defaults to `union_q_tile`; plan: `union_plan(block_idx,
+    q_tile)` when the caller has it."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
     qt = q_tile or union_q_tile(Hq // G, block_idx.shape[3])
-    ulist, ucnt, bits, _ = union_plan(block_idx, qt)
+    ulist, ucnt, bits, _ = plan if plan is not None else union_plan(block_idx, qt)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
     kc, vc = k.contiguous(), v.contiguous()
