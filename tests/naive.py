@@ -95,3 +95,24 @@ def naive_routed_experts(x, idx, w, w1, w3, w2, alpha=1.702, limit=7.0):
             h = g * torch.sigmoid(alpha * g) * (u + 1.0)
             y[n] += float(w[n, j]) * (w2[e].double() @ h)
     return y
+
+
+def naive_packed_weight(weight, scales, global_scale, fmt):
+    """A packed NVFP4 / MXFP8 weight [G, N, ...] -> float64 [G, N, K], one code at a time from
+    the format definitions (E2M1 = (-1)^s 2^(e-1) (1 + m/2), 0.5 m for e = 0; E8M0 = 2^(b - 127))."""
+    G, N = weight.shape[:2]
+    if fmt == "nvfp4":
+        K = weight.shape[2] * 2
+        out = torch.zeros(G, N, K, dtype=torch.float64)
+        for g in range(G):
+            for n in range(N):
+                for k in range(K):
+                    c = (int(weight[g, n, k // 2]) >> (4 * (k % 2))) & 15
+                    e, m = (c >> 1) & 3, c & 1
+                    mag = 0.5 * m if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+                    v = (-mag if c & 8 else mag) * float(scales[g, n, k // 16].float())
+                    out[g, n, k] = float(torch.tensor(v, dtype=torch.float32) * global_scale[g].float())
+        return out
+    K = weight.shape[2]
+    sc = 2.0 ** (scales.double() - 127)
+    return weight.double() * sc.repeat_interleave(32, dim=-1)

@@ -9,19 +9,22 @@ weight [*lead, N, K] (lead = (E,) for stacked routed experts, () otherwise):
 | mxfp8 | ``weight`` float8_e4m3fn [*lead, N, K], ``weight_scale_inv`` uint8 E8M0 [*lead, N, K/32] |
 | bf16 / fp32 | ``weight`` in that dtype |
 
-Execution on Hopper (sm_90) is **dequantize-then-matmul**: each call dequantizes the packed
-weight with the format kernels into the compute dtype (bfloat16 under autocast) and runs
-cuBLAS (`F.linear`) or, for the routed experts, `torch._grouped_mm` (msakit.nn.moe.grouped_mm)
-on the result.  Why not a fused dequant-in-the-GEMM kernel: Hopper has no block-scaled MMA for
-MXFP8 / NVFP4 (cuBLAS rejects 1x32 MX scales, quant.md section 5), so a fused kernel would be a
-W4A16 / W8A16 Triton GEMM whose inner loop does what the dequantize kernel does; it only pays
-off in the memory-bound decode regime, while in prefill and training-sized batches the extra
-pass over the weight (read packed + write bf16 + read bf16, ~2.6 bytes per NVFP4 element
-against the GEMM's O(M) reuse) is small and cuBLAS / the CUTLASS grouped GEMM are faster than
-a Triton GEMM.  It is also exact: the dequantized values are the ones QAT trained with, so
-`convert` reproduces the QAT forward bit for bit.  Routed experts dequantize only the experts
-that received tokens when all of them would exceed ``max_dequant_bytes`` (full-size models),
-in chunks of that size.
+Execution on CUDA: the packed GEMMs of `msakit.ops.packed_gemm` read the packed bytes and
+dequantize in registers (Hopper has no block-scaled MMA for MXFP8 / NVFP4), giving the values
+`unpack_weight` gives (docs/packed.md):
+- NVFP4 (routed experts, any NVFP4 linear): the weight-only grouped GEMM (W4A16) up to
+  `KERNEL_MAX_ROWS` rows per weight (decode, small batches); larger batches dequantize then run
+  cuBLAS / `torch._grouped_mm` (the extra pass over the weight is small against the GEMM there).
+- MXFP8 linears: up to `KERNEL_MAX_ROWS` rows the weight-only kernel (W8A16) on the
+  fake-quantized input; above `SCALED_MIN_ROWS` rows the input is quantized (1 x 32 blocks) and
+  `mxfp8_scaled_mm` multiplies the E4M3 codes on FP8 tensor cores with the two E8M0 scales per
+  32-wide K chunk; between them dequantize-then-matmul.
+**Dequantize-then-matmul** (`unpack_weight` into the compute dtype, then `F.linear` or
+`msakit.nn.moe.grouped_mm`) is the reference, the CPU path and the fallback (it warns once
+on CUDA when the kernels cannot run).  It is exact: the dequantized values are the ones QAT
+trained with, so `convert` reproduces the QAT forward bit for bit.  Routed experts on that path
+dequantize only the experts that received tokens when all of them would exceed
+``max_dequant_bytes`` (full-size models), in chunks of that size.
 
 Activations: MXFP8 layers quantize their input along K (1 x 32 blocks, dynamic, the same rule
 as the weights), as in QAT.  NVFP4 expert inputs stay in the compute dtype (W4A16 on Hopper;
@@ -44,6 +47,7 @@ from torch import nn
 from msakit.nn.mlp import swiglu_oai
 from msakit.ops.dispatch import use_triton
 from msakit.nn.moe import GroupedExperts, grouped_mm
+from msakit.ops.packed_gemm import mxfp8_scaled_mm, packed_grouped_mm, packed_linear
 
 from .formats import (
     NVFP4_GLOBAL_DIVISOR,
@@ -76,6 +80,9 @@ __all__ = [
     "PackedLinear",
     "PackedEmbedding",
     "PackedExperts",
+    "packed_path",
+    "KERNEL_MAX_ROWS",
+    "SCALED_MIN_ROWS",
 ]
 
 SUFFIXES = {
@@ -85,6 +92,13 @@ SUFFIXES = {
     "fp32": ("weight",),
 }
 _FLOAT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# Dispatch of the packed forward on CUDA (rows = tokens of a linear, mean rows per active expert
+# of the routed experts): the in-register kernels up to KERNEL_MAX_ROWS, dequantize-then-matmul
+# above (NVFP4) or up to SCALED_MIN_ROWS (MXFP8; the FP8 tensor-core GEMM from there on).
+# Set from benchmarks/packed_gemm.py on an H200 (docs/packed.md).
+KERNEL_MAX_ROWS = 64
+SCALED_MIN_ROWS = 256
 
 
 def packed_spec(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -497,8 +511,19 @@ class PackedLinear(_PackedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = compute_dtype(x.device.type, self.compute_dtype)
+        rows = x.numel() // max(1, self.in_features)
+        path = "dequant" if self.cache_dequantized else packed_path(self.fmt, rows, x, self.backend)
+        if path == "scaled" and self.quantize_input and self.fmt == "mxfp8":
+            codes, scales = mxfp8_quantize(x.reshape(-1, self.in_features), scale_rule=self.scale_rule,
+                                           backend=self.backend, check_finite=False)
+            y = mxfp8_scaled_mm(codes, scales, self.weight, self.weight_scale_inv, out_dtype=dt, backend=self.backend)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.quantize_input:
             x = mxfp8_fake_quantize_to(x, dt, scale_rule=self.scale_rule, backend=self.backend)
+        if path == "kernel":
+            t = self.packed_tensors()
+            return packed_linear(x.to(dt), t["weight"], t.get("weight_scale", t.get("weight_scale_inv")),
+                                 t.get("weight_scale_2"), fmt=self.fmt, backend=self.backend)
         return F.linear(x.to(dt), self.dequantized_weight(dt))
 
     def extra_repr(self) -> str:
@@ -606,8 +631,30 @@ class PackedExperts(GroupedExperts, _PackedBase):
     def w2(self) -> torch.Tensor:  # type: ignore[override]
         return self._deq("w2", self.compute_dtype)
 
+    def uses_pairs(self, x: torch.Tensor, k: int) -> bool:
+        """False where the packed grouped kernel runs (the pairs kernel would dequantize every expert)."""
+        if self._kernel_path(x.shape[0] * k, x):
+            return False
+        return super().uses_pairs(x, k)
+
+    def _kernel_path(self, pairs: int, x: torch.Tensor) -> bool:
+        if any(f not in ("nvfp4", "mxfp8") for f in self.formats.values()):
+            return False
+        rows = pairs // max(1, min(self.num_experts, pairs))
+        return packed_path("nvfp4", rows, x, self.backend) == "kernel"
+
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         dt = compute_dtype(xs.device.type, self.compute_dtype)
+        if self._kernel_path(xs.shape[0], xs):
+            x = xs.to(dt)
+            ts = {w: self.packed_tensors(w) for w in ("w1", "w3", "w2")}
+
+            def mm(a: torch.Tensor, w: str) -> torch.Tensor:
+                t = ts[w]
+                return packed_grouped_mm(a, counts, t["weight"], t.get("weight_scale", t.get("weight_scale_inv")),
+                                         t.get("weight_scale_2"), fmt=self.formats[w], backend=self.backend)
+
+            return mm(swiglu_oai(mm(x, "w1"), mm(x, "w3"), self.alpha, self.limit), "w2")
         per_expert = 3 * self.hidden_size * self.intermediate_size * torch.empty((), dtype=dt).element_size()
         if per_expert * self.num_experts <= self.max_dequant_bytes:
             return GroupedExperts.forward(self, xs, counts)
@@ -642,6 +689,22 @@ class PackedExperts(GroupedExperts, _PackedBase):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
                 f"formats={self.formats}")
+
+
+def packed_path(fmt: str, rows: int, x: torch.Tensor, backend: str) -> str:
+    """How a packed weight of `fmt` multiplies `rows` rows of x (see KERNEL_MAX_ROWS):
+    "kernel" (in-register dequantization), "scaled" (MXFP8 x MXFP8 on FP8 tensor cores) or
+    "dequant" (dequantize-then-matmul: CPU, autograd through x, large NVFP4 batches, or CUDA
+    without Triton, which warns once)."""
+    if fmt not in ("nvfp4", "mxfp8") or (torch.is_grad_enabled() and x.requires_grad):
+        return "dequant"
+    if backend == "reference" or (x.device.type != "cuda" and backend == "auto"):
+        return "dequant"
+    if not use_triton("packed_gemm", backend, x.device):  # warns once on CUDA without Triton
+        return "dequant"
+    if rows <= KERNEL_MAX_ROWS:
+        return "kernel"
+    return "scaled" if fmt == "mxfp8" and rows >= SCALED_MIN_ROWS else "dequant"
 
 
 def expert_global_scales(ws: Mapping[str, torch.Tensor], formats: Mapping[str, str],

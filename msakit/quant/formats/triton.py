@@ -67,6 +67,9 @@ import triton
 import triton.language as tl
 
 from msakit.ops.dispatch import interpret_mode
+from msakit.ops.packed_gemm.triton import e2m1_to_f32 as _e2m1_to_f32  # the packed GEMMs decode the same way
+from msakit.ops.packed_gemm.triton import e4m3_bits_to_f32 as _e4m3_to_f32
+from msakit.ops.packed_gemm.triton import e8m0_to_f32 as _e8m0_to_f32
 
 __all__ = [
     "mxfp8_quantize_triton",
@@ -188,36 +191,6 @@ def _round_mag(a, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXBITS: tl.constexpr
     s = tl.minimum(23 - MBITS + et - E, 25)  # s = 25 already rounds every m < 2^24 to 0
     n = (m + ((1 << (s - 1)) - 1) + ((m >> s) & 1)) >> s
     return tl.minimum(((et - EMIN) << MBITS) + n, MAXBITS)
-
-
-@triton.jit
-def _e4m3_to_f32(c):
-    """float8_e4m3fn bits (int32 0..255) -> float32 (0x7F/0xFF -> NaN, 0x80 -> -0.0)."""
-    ef = (c >> 3) & 15
-    mt = c & 7
-    normal = ((ef + 120) << 23) | (mt << 20)
-    sub = (mt.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # mt * 2^-9, exact
-    mag = tl.where(ef == 0, sub, normal)
-    mag = tl.where((c & 0x7F) == 0x7F, 0x7FC00000, mag)
-    return (mag | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_to_f32(b):
-    """E8M0 bytes (int32 0..255) -> 2^(b - 127) as float32 (0 -> 2^-127, 255 -> NaN)."""
-    bits = tl.where(b == 0, 0x00400000, b << 23)
-    bits = tl.where(b == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_to_f32(c):
-    """E2M1 codes (int32 0..15) -> float32 (code 8 -> -0.0)."""
-    i = c & 7
-    bits = (((i >> 1) + 126) << 23) | ((i & 1) << 22)  # 1, 1.5, 2, 3, 4, 6 for i = 2..7
-    bits = tl.where(i == 1, 0x3F000000, bits)
-    bits = tl.where(i == 0, 0, bits)
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 # ----------------------------------------------------------------------------------------------
