@@ -49,6 +49,14 @@ DEBUG_LAYOUTS = False  # print the fragments' layouts while tracing
 LN2 = math.log(2.0)
 
 
+def _aligned_strides(t: cute.Tensor) -> cute.Tensor:
+    """t with every dynamic stride but the last assumed a multiple of 16 bytes (TMA needs it; the
+    host wrapper checks the tensors are contiguous with D = 128)."""
+    div = 128 // t.element_type.width
+    strides = tuple(s if isinstance(s, int) else cute.assume(s, divby=div) for s in t.stride[:-1])
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(*strides, t.stride[-1])))
+
+
 class SparseFwdSm90:
     """The kernel of the module docstring; `consumers` consumer warpgroups (1 or 2: tiles of 4 or
     8 queries), `stages` buffers per pipeline."""
@@ -68,6 +76,7 @@ class SparseFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mWork: cute.Tensor, mCount: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         bf16 = cutlass.BFloat16
+        mQ, mK, mV, mO = [_aligned_strides(t) for t in (mQ, mK, mV, mO)]
         # (B, T, G, D) -> (T, D, G, B): a block of one (g, b) is a (BLOCK, D) tile of the first two modes
         kv_order = [1, 3, 2, 0]
         mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=kv_order))
@@ -256,3 +265,30 @@ class SparseFwdSm90:
                             mO[b, t, h, cO[j][1]] = (acc_O[j] * inv).to(bf16)
                     if tid % 4 == 0:
                         mLSE[b, h, t] = lse
+
+
+def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: int = 2, stages: int = 2) -> dict:
+    """Compile the kernel for `arch` against fake tensors (dynamic shapes and strides, as the host
+    wrapper's from_dlpack tensors have): no GPU or torch needed.  With dump_dir, the PTX and cubin
+    go there.  Returns {"seconds", "files": {name: bytes}}."""
+    import glob
+    import os
+    import time
+
+    from cutlass.cute.runtime import make_fake_tensor
+
+    def fake(dtype, rank):
+        shape = tuple(cute.sym_int() for _ in range(rank))
+        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
+        return make_fake_tensor(dtype, shape, stride, assumed_align=16 if dtype is cutlass.BFloat16 else 4)
+
+    bf16 = cutlass.BFloat16
+    args = [fake(bf16, 4) for _ in range(4)] + [fake(Float32, 3), fake(Int32, 4), fake(Int32, 3)]
+    opts = f"--gpu-arch {arch}"
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    t0 = time.time()
+    cute.compile(SparseFwdSm90(consumers, stages), *args, Float32(0.0884), cuda.CUstream(0), options=opts)
+    files = sorted(glob.glob(os.path.join(dump_dir, "*"))) if dump_dir else []
+    return {"seconds": time.time() - t0, "files": {os.path.basename(f): os.path.getsize(f) for f in files}}
