@@ -209,14 +209,13 @@ class SparseFwdSm90:
                 causal = blk >= own
                 for r in cutlass.range_constexpr(2):
                     keep = ((e >> row_q[r]) & 1) != 0
-                    qpos = tile * self.queries + row_q[r]
+                    # causal: column c of the block is key blk * BLOCK + c <= query; elsewhere no limit
+                    lim = tile * self.queries + row_q[r] - blk * BLOCK if causal else Int32(BLOCK)
                     mx = -Float32.inf
                     for v in cutlass.range_constexpr(nv):
                         for c0 in cutlass.range_constexpr(2):
                             j = c0 + 2 * r + 4 * v
-                            ok = keep
-                            if causal:
-                                ok = keep & (blk * BLOCK + cS[j][1] <= qpos)
+                            ok = keep & (cS[j][1] <= lim)
                             s = acc_S[j] if ok else -Float32.inf
                             acc_S[j] = s
                             mx = cute.arch.fmax(mx, s)
