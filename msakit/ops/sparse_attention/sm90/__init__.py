@@ -1,0 +1,145 @@
+"""The generation-2 sparse-attention forward for Hopper (sm_90a): union-tile query-outer, written
+in CUTLASS's CuTe DSL (`kernel.py`), an optional dependency (`pip install nvidia-cutlass-dsl`,
+imported lazily: msakit imports and runs without it).
+
+Same meaning and layouts as `sparse_attention_reference` (q [B, T, Hq, D], k/v [B, T, G, D],
+block_idx int32 [B, G, T, topk] -> o [B, T, Hq, D], lse fp32 [B, Hq, T]).  The kernel takes bf16,
+Hq / G = 16, D = 128, block_size = 128 and no cu_seqlens (`unsupported_reason` says why not
+otherwise).  Per tile of 8 consecutive queries of one group the kernel loads the union of their
+blocks (`worklist.union_worklist`) and masks per row, so its MMA work is the union size per tile
+times 128 rows: about 1x the useful work on selections whose neighbouring queries agree, several
+times it on uniform random ones (docs/kernels.md).  `install_dispatch` makes the forward custom op
+run this kernel on sm_90 CUDA tensors it supports when the union is at most `MAX_UNION_RATIO`
+times the selected blocks, the Triton KV-outer kernel otherwise (a RuntimeWarning once when a
+Hopper GPU runs without the DSL).  `MSAKIT_SPARSE_SM90=0` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ...dispatch import warn_once
+from .consts import BLOCK, HEAD_DIM, HPG
+from .worklist import tile_count, union_worklist, union_worklist_reference
+
+__all__ = ["dsl_available", "unsupported_reason", "sparse_attention_fwd_sm90", "install_dispatch", "union_worklist",
+           "union_worklist_reference", "tile_count", "MAX_UNION_RATIO", "CONFIG"]
+
+CONFIG = {"consumers": 2, "stages": 2}  # consumer warpgroups (tiles of 4 * consumers queries), pipeline stages
+MAX_UNION_RATIO = 3.0  # dispatch: above this union / selected-blocks ratio the KV-outer Triton kernel runs
+
+
+@functools.lru_cache(maxsize=1)
+def dsl_available() -> bool:
+    """True when CUTLASS's CuTe DSL (and the CUDA Python bindings it launches with) import."""
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, block_size: int, cu_seqlens: torch.Tensor | None,
+                       *, need_device: bool = True) -> str | None:
+    """Why the sm_90 kernel cannot run these arguments (None when it can); with need_device=False
+    only the shapes, dtypes and layouts are judged (the CPU tests)."""
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+        return f"dtype {q.dtype} (the sm_90 kernel takes bfloat16)"
+    if q.shape[-1] != HEAD_DIM:
+        return f"head dim {q.shape[-1]} (the sm_90 kernel takes {HEAD_DIM})"
+    if q.shape[2] != HPG * k.shape[2]:
+        return f"{q.shape[2] // max(1, k.shape[2])} query heads per kv head (the sm_90 kernel takes {HPG})"
+    if block_size != BLOCK:
+        return f"block_size {block_size} (the sm_90 kernel takes {BLOCK})"
+    if cu_seqlens is not None:
+        return "cu_seqlens (the sm_90 kernel takes fixed-length batches)"
+    if need_device:
+        if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+            return f"device {q.device} (the sm_90 kernel runs on sm_90 GPUs)"
+        if not dsl_available():
+            return "no nvidia-cutlass-dsl"
+    return None
+
+
+def _to_cute(t: torch.Tensor, align: int):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+_compiled: dict = {}
+
+
+def _launch(q, k, v, o, lse, work, count, scale: float) -> None:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernel import SparseFwdSm90
+
+    args = [_to_cute(t, 16) for t in (q, k, v, o)] + [_to_cute(t, 4) for t in (lse, work, count)]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    key = (CONFIG["consumers"], CONFIG["stages"], q.device.index)
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = _compiled[key] = cute.compile(SparseFwdSm90(CONFIG["consumers"], CONFIG["stages"]), *args,
+                                           cutlass.Float32(scale), stream)
+    fn(*args, cutlass.Float32(scale), stream)
+
+
+def sparse_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor,
+                              block_size: int, scale: float, *, out: torch.Tensor | None = None,
+                              lse_out: torch.Tensor | None = None,
+                              worklist: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, T, Hq, D] bf16, lse fp32 [B, Hq, T]) by the sm_90 kernel; the arguments as the
+    public op checked them (block ids in range).  out / lse_out: contiguous outputs to write
+    (every valid row is written); worklist: a prebuilt `union_worklist(block_idx, queries, nblocks)`."""
+    why = unsupported_reason(q, k, block_size, None)
+    if why is not None:
+        raise ValueError(f"sparse_attention_fwd_sm90 does not take {why}")
+    B, T, Hq, D = q.shape
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    o = torch.empty_like(q) if out is None else out
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device) if lse_out is None else lse_out
+    if not (o.is_contiguous() and lse.is_contiguous() and o.shape == q.shape and lse.shape == (B, Hq, T)):
+        raise ValueError(f"out / lse_out must be contiguous {tuple(q.shape)} / {(B, Hq, T)}")
+    if worklist is None:
+        worklist = union_worklist(block_idx, 4 * CONFIG["consumers"], tile_count(T, block_size))
+    work, count = worklist
+    if T:
+        _launch(q, k, v, o, lse, work, count, float(scale))
+    return o, lse
+
+
+def union_ratio(count: torch.Tensor, block_idx: torch.Tensor) -> float:
+    """MMA work of the union tiles over the useful work: sum of union sizes x tile queries / valid
+    slots (reads it back: a host sync)."""
+    queries = 4 * CONFIG["consumers"]
+    valid = (block_idx >= 0).sum()
+    return float(count.sum() * queries) / max(1.0, float(valid))
+
+
+def install_dispatch(fwd_op, triton_impl) -> None:
+    """Register a CUDA implementation of the forward custom op `fwd_op` that runs the sm_90 kernel
+    where it can (see the module docstring) and `triton_impl` elsewhere."""
+    if fwd_op is None or not hasattr(fwd_op, "register_kernel"):
+        return
+
+    def cuda_impl(q, k, v, block_idx, cu_seqlens, block_size, scale):
+        if os.environ.get("MSAKIT_SPARSE_SM90", "1") != "0":
+            why = unsupported_reason(q, k, block_size, cu_seqlens)
+            if why is None:
+                wl = union_worklist(block_idx, 4 * CONFIG["consumers"], tile_count(q.shape[1], block_size))
+                if union_ratio(wl[1], block_idx) <= MAX_UNION_RATIO:
+                    return sparse_attention_fwd_sm90(q, k, v, block_idx, block_size, scale, worklist=wl)
+            elif why == "no nvidia-cutlass-dsl":
+                warn_once("sparse_attention:sm90", "msakit: sparse_attention on a Hopper GPU falls back to the Triton "
+                          "KV-outer forward: nvidia-cutlass-dsl is not installed (pip install msakit[hopper])")
+        return triton_impl(q, k, v, block_idx, cu_seqlens, block_size, scale)
+
+    fwd_op.register_kernel("cuda", cuda_impl)
