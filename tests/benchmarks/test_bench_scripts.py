@@ -179,22 +179,25 @@ def test_decode_main_with_a_fake_bench(tmp_path, monkeypatch):
     row = lambda B, N, idx: {"B": B, "N": N, "idx": idx, "nq": 1, "msa_ms": 0.1, "floor_ms": 0.05,  # noqa: E731
                              "vs_floor": 2.0, "dense_ms": 0.5, "speedup": 5.0}
     fake = types.SimpleNamespace(
-        HQ=64, G=4, D=128, DI=128, PS=128, TOPK=16, READ_BW=4.16e12,
-        graph_check=lambda: {"ok": True},
-        run=lambda Bs, Ns, idxs, nq=1, plan_kw=None: calls.setdefault("run", [row(B, N, i) for N in Ns for B in Bs
-                                                                               for i in idxs]),
+        HQ=64, G=4, D=128, DI=128, PS=128, TOPK=16, READ_BW=4.16e12, LAUNCHES=("split", "persistent", "ticket"),
+        graph_check=lambda launches: {"ok": True},
+        run=lambda Bs, Ns, idxs, nq=(1,), launches=("split",): calls.setdefault(
+            "run", [row(B, N, i) for N in Ns for B in Bs for i in idxs]),
         dense_ms=lambda B, N, read_flush=False: {"dense_ms": 0.5, "dense_read_ms": 0.45},
-        bench_case=lambda B, N, idx, detail=True, read_flush=False: {"msa_ms": 0.1, "msa_read_ms": 0.09},
+        bench_case=lambda B, N, idx, detail=True, read_flush=False, launch="split": {"msa_ms": 0.1,
+                                                                                    "msa_read_ms": 0.09},
         print_table=lambda rows: calls.setdefault("printed", len(rows)))
     monkeypatch.setattr(decode, "bench", fake)
     monkeypatch.setattr(decode, "RESULTS", tmp_path)
     monkeypatch.setattr(sys.modules["benchmarks.common"], "RESULTS", tmp_path)
     monkeypatch.setattr(decode, "plot", lambda rows, path: None)
-    decode.main(["--quick", "--read-flush", "--tag", "_t", "--out", str(tmp_path / "o")])
+    decode.main(["--quick", "--read-flush", "--launch", "split", "ticket", "--tag", "_t", "--out", str(tmp_path / "o")])
     data = json.loads((tmp_path / "o" / "decode_cpu_t.json").read_text())
     assert [(r["B"], r["N"]) for r in data["rows"]] == [(1, 16384), (1, 16384), (1, 1048576), (1, 1048576)]
     assert "graph_check" not in data  # --quick skips it
-    assert [(r["N"], r["idx"]) for r in data["read_flush"]] == [(1048576, "bf16"), (1048576, "fp8")]
+    assert [(r["N"], r["idx"], r["launch"]) for r in data["read_flush"]] == [
+        (1048576, "bf16", "split"), (1048576, "bf16", "ticket"), (1048576, "fp8", "split"), (1048576, "fp8", "ticket")]
+    assert data["launches"] == ["split", "ticket"]
     assert data["read_flush"][0]["speedup_read_flush"] == pytest.approx(5.0) and calls["printed"] == 4
 
 

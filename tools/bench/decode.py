@@ -26,6 +26,7 @@ import torch
 from msakit.ops.decode.reference import FP8, PagedLayer
 
 HQ, G, D, DI, PS, TOPK = 64, 4, 128, 128, 128, 16
+LAUNCHES = ("split", "persistent", "ticket")  # DecodeTiling.launch
 READ_BW = 4.16e12  # measured H200 read bandwidth (bytes / s)
 REPS_IN_GRAPH = 10
 
@@ -178,11 +179,12 @@ def dense_ms(B: int, N: int, *, device: str = "cuda", flush: bool = True, read_f
 
 
 def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, flush: bool = True,
-               detail: bool = True, read_flush: bool = False) -> dict:
-    """Times msa_decode (CUDA graph, cold and hot) and its selection phase alone (read_flush:
-    also cold after a read-only flush, msa_read_ms, see _flush_fn)."""
-    from msakit.ops.decode import msa_decode, plan_decode
-    from msakit.ops.decode.triton import launch
+               detail: bool = True, read_flush: bool = False, launch: str = "split") -> dict:
+    """Times msa_decode (CUDA graph, cold and hot) and, for the multi-launch path, its selection
+    phase alone (read_flush: also cold after a read-only flush, msa_read_ms, see _flush_fn).
+    launch: `DecodeTiling.launch` ("split", "persistent", "ticket")."""
+    from msakit.ops.decode import DecodeTiling, msa_decode, plan_decode
+    from msakit.ops.decode import triton as kernels
 
     own = pools is None
     if own:
@@ -192,19 +194,23 @@ def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, fl
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(B, nq, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
     qi = torch.randn(B, nq, G, DI, device="cuda", dtype=torch.bfloat16, generator=g)
-    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK)
+    plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=page_table.shape[1], topk=TOPK,
+                       tiling=DecodeTiling(launch=launch))
     fn = lambda: msa_decode(q, qi, pools, page_table, seq_lens, plan=plan)  # noqa: E731
-    sel = lambda: launch(plan, q, qi, pools, page_table, seq_lens, 1 / math.sqrt(D), False, phases="select")  # noqa: E731
+    sel = lambda: kernels.launch(plan, q, qi, pools, page_table, seq_lens, 1 / math.sqrt(D), False,  # noqa: E731
+                                 phases="select")
     fn()
     torch.cuda.synchronize()
-    row = {"B": B, "N": N, "idx": idx, "nq": nq, "splits": plan.score_splits, "attn_splits": plan.attn_splits,
-           "score_stages": plan.score_stages, "score_warps": plan.score_warps, "score_impl": plan.score_impl,
-           "fuse_combine": plan.fuse_combine}
+    row = {"B": B, "N": N, "idx": idx, "nq": nq, "launch": launch, "splits": plan.score_splits,
+           "attn_splits": plan.attn_splits, "score_stages": plan.score_stages, "score_warps": plan.score_warps,
+           "score_impl": plan.score_impl, "fuse_combine": plan.fuse_combine, "programs": plan.programs,
+           "one_launch_warps": plan.persistent_warps, "maxnreg": plan.maxnreg}
     row["msa_ms"] = graph_ms(fn, flush=flush)
     row["floor_ms"] = floor_bytes(B, N, idx) / READ_BW * 1e3
     row["vs_floor"] = row["msa_ms"] / row["floor_ms"]
     if detail:
         row["msa_hot_ms"] = graph_ms(fn)
+    if detail and launch == "split":
         row["select_ms"] = graph_ms(sel, flush=flush)
         idx_bytes = B * N * (DI * (1 if idx == "fp8" else 2) + (4 if idx == "fp8" else 0))
         row["select_GBps"] = idx_bytes / row["select_ms"] / 1e6
@@ -234,7 +240,11 @@ def _fits(nbytes: int) -> bool:
     return nbytes < 0.92 * free
 
 
-def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: int = 1) -> list[dict]:
+def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: int | tuple[int, ...] = 1,
+        launches: tuple[str, ...] = ("split",)) -> list[dict]:
+    """Every (N, B, idx, nq, launch) row, dense timed once per (N, B) in the same run; each row's
+    nq_ratio is its time over the same (N, B, idx, launch) at nq = 1 when that was timed."""
+    nqs = (nq,) if isinstance(nq, int) else tuple(nq)
     rows = []
     for N in Ns:
         for B in Bs:
@@ -248,12 +258,19 @@ def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: in
             for idx in idxs:
                 case = make_pools(B, N, idx=idx, kv=kv)
                 kv = PagedLayer(k=case[0].k, v=case[0].v)
-                r = bench_case(B, N, idx=idx, nq=nq, pools=case)
-                r.update(dense)
-                if dense:
-                    r["speedup"] = dense["dense_ms"] / r["msa_ms"]
-                rows.append(r)
-                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+                one = {}
+                for q_n in nqs:
+                    for launch in launches:
+                        r = bench_case(B, N, idx=idx, nq=q_n, pools=case, launch=launch)
+                        r.update(dense)
+                        if dense:
+                            r["speedup"] = dense["dense_ms"] / r["msa_ms"]
+                        if q_n == 1:
+                            one[launch] = r["msa_ms"]
+                        if launch in one:
+                            r["nq_ratio"] = r["msa_ms"] / one[launch]
+                        rows.append(r)
+                        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
                 del case
                 torch.cuda.empty_cache()
             del kv
@@ -262,35 +279,38 @@ def run(Bs=(1, 8, 32), Ns=(16384, 131072, 1 << 20), idxs=("bf16", "fp8"), nq: in
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'B':>3} {'N':>8} {'idx':>5} {'nq':>3} {'dense ms':>9} {'msa ms':>8} {'hot ms':>7} {'select ms':>9} "
-          f"{'floor ms':>8} {'speedup':>8} {'x floor':>7} {'sel GB/s':>8}")
+    print(f"\n{'B':>3} {'N':>8} {'idx':>5} {'nq':>3} {'launch':>10} {'dense ms':>9} {'msa ms':>8} {'hot ms':>7} "
+          f"{'select ms':>9} {'floor ms':>8} {'speedup':>8} {'x floor':>7} {'x nq=1':>7}")
     nan = float("nan")
     for r in rows:
-        print(f"{r['B']:>3} {r['N']:>8} {r['idx']:>5} {r['nq']:>3} {r.get('dense_ms', nan):>9.4f} {r['msa_ms']:>8.4f} "
-              f"{r.get('msa_hot_ms', nan):>7.4f} {r.get('select_ms', nan):>9.4f} {r['floor_ms']:>8.4f} "
-              f"{r.get('speedup', nan):>8.2f} {r['vs_floor']:>7.2f} {r.get('select_GBps', nan):>8.0f}", flush=True)
+        print(f"{r['B']:>3} {r['N']:>8} {r['idx']:>5} {r['nq']:>3} {r.get('launch', 'split'):>10} "
+              f"{r.get('dense_ms', nan):>9.4f} {r['msa_ms']:>8.4f} {r.get('msa_hot_ms', nan):>7.4f} "
+              f"{r.get('select_ms', nan):>9.4f} {r['floor_ms']:>8.4f} {r.get('speedup', nan):>8.2f} "
+              f"{r['vs_floor']:>7.2f} {r.get('nq_ratio', nan):>7.2f}", flush=True)
 
 
 def check_and_bench(quick: bool = False) -> dict:
     """The decode benchmark of the issue in one call (graph_check() is separate): M3 layer timings
-    for B in {1, 8, 32} x N in {16K, 128K, 1M} (bf16 and fp8 index keys, nq=1) against dense
-    decode and the bytes floor, plus nq=4 at B=1."""
+    for B in {1, 8, 32} x N in {16K, 128K, 1M} (bf16 and fp8 index keys, nq=1, every launch) against
+    dense decode and the bytes floor, plus nq=4 at B=1."""
     out: dict = {}
     Bs, Ns = ((1,), (16384, 1 << 20)) if quick else ((1, 8, 32), (16384, 131072, 1 << 20))
-    out["rows"] = run(Bs, Ns)
-    out["rows_nq4"] = run((1,), (131072, 1 << 20), idxs=("bf16",), nq=4)
+    out["rows"] = run(Bs, Ns, launches=LAUNCHES)
+    out["rows_nq4"] = run((1,), (131072, 1 << 20), idxs=("bf16",), nq=(1, 4), launches=LAUNCHES)
     print_table(out["rows"] + out["rows_nq4"])
     return out
 
 
 # ------------------------------------------------------------------------------------- checks
-def graph_check(small: bool = False, device: str = "cuda") -> dict:
+def graph_check(small: bool = False, device: str = "cuda", launches: tuple[str, ...] = LAUNCHES) -> dict:
     """Eager Triton vs the reference, and CUDA-graph capture / replay vs eager (also after the
-    lengths, the page tables and the queries change), for bf16 index keys (v1 scoring, combine
-    kernel) and fp8 ones (v2 scoring, fused combine), nq 1 and 4.  Returns {"ok": bool, "cases": [...]}."""
+    lengths, the page tables and the queries change), for bf16 index keys (v1 scoring) and fp8
+    ones (v2 scoring), nq 1 and 4, every launch (`DecodeTiling.launch`).  The pool pages no
+    sequence holds are NaN (the pages the sequences grow into too: their unwritten slots stay
+    NaN).  Returns {"ok": bool, "cases": [...]}."""
     from msakit.cache import PagedKVCache
 
-    from msakit.ops.decode import msa_decode, msa_decode_reference, plan_decode
+    from msakit.ops.decode import DecodeTiling, msa_decode, msa_decode_reference, plan_decode
 
     lens = [300, 2100, 129, 0] if small else [1000, 20000, 5000, 130, 0]
     cases = []
@@ -310,12 +330,14 @@ def graph_check(small: bool = False, device: str = "cuda") -> dict:
             sids.append(s)
         width = max(len(cache.pages(s)) for s in sids) + 2
         pools = cache.layer(0)
+        _poison_free_pages(pools, cache._free)
         live = [s for s, L in zip(sids, lens) if L]
-        for nq in (1, 4):
+        for nq, launch in ((nq, launch) for nq in (1, 4) for launch in launches):
             meta = cache.decode_metadata(sids, width=width)
             B = len(sids)
             plan = plan_decode(pools, batch=B, nq=nq, num_heads=HQ, width=width, topk=TOPK,
-                               seq_lens=meta.seq_lens_host, page_table=meta.page_table_host)
+                               seq_lens=meta.seq_lens_host, page_table=meta.page_table_host,
+                               tiling=DecodeTiling(launch=launch))
             qs = torch.randn(B, nq, HQ, D, device=device, dtype=torch.bfloat16)
             qis = torch.randn(B, nq, G, DI, device=device, dtype=torch.bfloat16)
 
@@ -323,7 +345,7 @@ def graph_check(small: bool = False, device: str = "cuda") -> dict:
                 return msa_decode(qs, qis, pools, meta.page_table, meta.seq_lens, plan=plan, return_lse=True,
                                   return_block_idx=True)
 
-            rec = {"idx": idx, "nq": nq, "score_impl": plan.score_impl}
+            rec = {"idx": idx, "nq": nq, "launch": launch, "score_impl": plan.score_impl}
             for phase in ("first", "grown"):
                 _poison(plan)
                 o, lse, bi = step()
@@ -347,7 +369,8 @@ def graph_check(small: bool = False, device: str = "cuda") -> dict:
                 g.replay()
                 torch.cuda.synchronize()
                 graph_equal = bool(torch.equal(go, o) and torch.equal(gbi, bi) and torch.equal(glse, lse))
-                counters_zero = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all())
+                counters_zero = bool((plan.cnt1 == 0).all() and (plan.cnt2 == 0).all() and (plan.cnt3 == 0).all()
+                                     and (plan.work == 0).all())
                 rec[phase] = dict(selection_agreement=same, o_rel_err=rel, o_max_err=err, lse_max_err=lerr,
                                   all_written=written, graph_equals_eager=graph_equal, counters_zero=counters_zero)
                 ok &= (same >= 0.995 and rel < 1e-2 and lerr < 1e-2 and written and graph_equal
@@ -365,6 +388,18 @@ def graph_check(small: bool = False, device: str = "cuda") -> dict:
             cases.append(rec)
             print(rec, flush=True)
     return {"ok": bool(ok), "cases": cases}
+
+
+def _poison_free_pages(pools: PagedLayer, free: list[int]) -> None:
+    """NaN into every pool page in `free` (fp8 e4m3fn codes: 0x7f), scales included."""
+    idx = torch.tensor(free, dtype=torch.long, device=pools.k.device)
+    for t in (pools.k, pools.v, pools.k_idx, pools.k_scale, pools.v_scale, pools.k_idx_scale):
+        if t is None:
+            continue
+        if t.dtype == FP8:
+            t.view(torch.uint8)[idx] = 0x7F
+        else:
+            t[idx] = float("nan")
 
 
 def _poison(plan) -> None:
@@ -436,4 +471,35 @@ def compile_report(arch: int = 90) -> list[dict]:
                           KV_FP8=False, CODE=0, FUSE_COMBINE=fuse, NSA_PAD=16, RETURN_LSE=False)
             rows.append(build(f"attn nq={nq}{' fused combine' if fuse else ''}", K._attn_kernel, sig, consts,
                               num_warps=4 if ma <= 64 else 8, num_stages=1))
+            for loop in (True, False):
+                rows.append(_compile_persistent(build, K, idx, nq, loop=loop))
     return rows
+
+
+def _compile_persistent(build, K, idx: str, nq: int, loop: bool = True) -> dict:
+    """`_persistent_kernel` at the M3 shape with the warps, stages and register cap that
+    plan_decode gives launch "persistent" (loop) or "ticket" (default ctas_per_sm = 2)."""
+    import triton
+
+    fp8 = idx == "fp8"
+    mr = triton.next_power_of_2(nq * G)
+    hpg = HQ // G
+    qc = min(nq, 128 // hpg)
+    ma = max(16, triton.next_power_of_2(qc * hpg))
+    warps = (4 if ma <= 32 else 8) if fp8 else 8
+    cap = 65536 // (2 * warps * 32) // 8 * 8
+    maxnreg = cap if loop and cap < 255 else None
+    stages = 7 if fp8 else 5
+    sig = dict(qi_ptr="*bf16", kidx_ptr="*fp8e4nv" if fp8 else "*bf16",
+               kdesc=f"tensordesc<fp8e4nv[{PS}, {DI}]>" if fp8 else "*i32", kscale_ptr="*fp32", pt_ptr="*i32",
+               pt_stride="i32", sl_ptr="*i32", bmax_ptr="*fp32", cand_ptr="*i64", cand2_ptr="*i64", cnt1_ptr="*i32",
+               cnt2_ptr="*i32", bidx_ptr="*i32", S="i32", NC="i32", W="i32", q_ptr="*bf16", k_ptr="*bf16",
+               v_ptr="*bf16", ks_ptr="*fp32", vs_ptr="*fp32", op_ptr="*fp32", lp_ptr="*fp32", o_ptr="*bf16",
+               lse_ptr="*fp32", cnt3_ptr="*i32", qk_scale="fp32", NSA="i32", work_ptr="*i32", B="i32")
+    consts = dict(NQ=nq, G=G, DI=DI, PS=PS, TOPK=TOPK, KP=16, MP=max(16, mr), MR=mr, LOCAL=1, INIT=0,
+                  CODE_IDX=3 if fp8 else 0, V2=fp8, TMA=fp8, PCH=32, CL=16, NC_PAD=16,
+                  RB1=K._rows_per_merge(mr, 256), RB2=K._rows_per_merge(mr, 256), NUM_STAGES=stages, HPG=hpg, D=D,
+                  QC=qc, NQC=-(-nq // qc), MA=ma, KV_FP8=False, CODE_KV=0, NSA_PAD=16, RETURN_LSE=False, LOOP=loop)
+    opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return build(f"{'persistent' if loop else 'ticket'} {idx} nq={nq}", K._persistent_kernel, sig, consts,
+                 num_warps=warps, num_stages=stages, **opts)

@@ -25,6 +25,13 @@ with device tensors then never reads GPU memory on the host: no .item(), no .tol
 grids depend only on the shapes, so it can be captured once and replayed for any lengths that
 fit the page table.  Without a plan, msa_decode builds one (eager use).  One plan serves all
 layers of a forward (the page table is shared) but must not run on two streams at once.
+
+Launches (`DecodeTiling.launch`): "split" (default: scoring, attention and, for 16-bit / fp32
+index keys, a combine kernel, one launch each) or one launch of the whole step ("persistent":
+a grid of ~2 programs per SM looping over work items; "ticket": one program per item), the same
+work items and math (kernels in triton.py).  For nq > 1 every launch reads each index-key page
+once for all nq * G index queries and each selected K / V page once per (group, query chunk of up
+to 128 / heads-per-group queries) for all the queries that selected it.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ MAX_NQ = 8
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_PROGRAMS_PER_SM = 2  # scoring programs per SM over the batch (default score_splits)
 MIN_PAGES_PER_SPLIT = 4  # fewer, longer splits below this: fewer lists to merge
+LAUNCHES = ("split", "persistent", "ticket")
 
 
 def _pow2(x: int) -> int:
@@ -67,16 +75,26 @@ class DecodeTiling:
     attn_splits: splits of a (sequence, group, query chunk)'s selection entries in the attention
     grid.  merge_budget: int64 keys (rows x lists x topk) of one selection-merge tile.
     end_chunk: pages per chunk of the v2 scoring's final top-k pass (a power of two, raised to the
-    top-k; one value for every shape keeps the number of compiled variants small)."""
+    top-k; one value for every shape keeps the number of compiled variants small).
+    launch: "split" (the multi-launch path: scoring grid, attention grid, combine grid for v1),
+    "persistent" (one launch: at most ctas_per_sm x SMs programs take the scoring and attention
+    items from a ticket counter until none is left) or "ticket" (one launch with one program per
+    item, each taking its item from the ticket counter).
+    ctas_per_sm: programs per SM of the persistent grid; its register cap (`maxnreg`) lets that
+    many programs be resident."""
 
     score_splits: int | None = None
     cluster: int | None = None
     attn_splits: int | None = None
     merge_budget: int = 4096
     end_chunk: int = 32
+    launch: str = "split"
+    ctas_per_sm: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("score_splits", "cluster", "attn_splits", "merge_budget", "end_chunk"):
+        if self.launch not in LAUNCHES:
+            raise ValueError(f"DecodeTiling.launch must be one of {LAUNCHES}, got {self.launch!r}")
+        for name in ("score_splits", "cluster", "attn_splits", "merge_budget", "end_chunk", "ctas_per_sm"):
             val = getattr(self, name)
             if val is None and name in ("score_splits", "cluster", "attn_splits"):
                 continue
@@ -92,7 +110,11 @@ class DecodePlan:
 
     score_impl: "v1" (bf16 / fp16 / fp32 index keys: a running top-k per page, then the
     combine kernel) or "v2" (fp8 index keys: the page as the MMA's M dimension, block maxima
-    then one top-k per split, the last attention split merging the partials: fuse_combine)."""
+    then one top-k per split, the last attention split merging the partials: fuse_combine).
+    launch: see `DecodeTiling`.  "persistent" and "ticket" run `programs` programs of
+    `persistent_warps` warps (registers capped at `maxnreg`, None: no cap) with the fused
+    combine; work int32 [2 + batch] holds their ticket and exit counters and per-sequence ready
+    flags (0 between calls)."""
 
     batch: int
     nq: int
@@ -132,6 +154,11 @@ class DecodePlan:
     lse_part: torch.Tensor
     bmax: torch.Tensor | None
     cnt3: torch.Tensor
+    launch: str
+    programs: int
+    persistent_warps: int
+    maxnreg: int | None
+    work: torch.Tensor
 
     def key(self) -> tuple:
         return (self.batch, self.nq, self.num_heads, self.num_kv_heads, self.head_dim, self.index_dim,
@@ -222,7 +249,9 @@ def plan_decode(
     combine kernel), "v2" for fp8 keys (4 warps, 7 stages, the fused combine); the v2 kernel reads
     the key pages through a tensor map when the pool allows one (`triton._tma_ok`), else by
     pointer loads.  tiling: `DecodeTiling` (default: ~2 scoring programs per SM and at least
-    MIN_PAGES_PER_SPLIT pages per split, ~2 attention programs per SM)."""
+    MIN_PAGES_PER_SPLIT pages per split, ~2 attention programs per SM; the multi-launch path).
+    The one-launch kernels (`DecodeTiling(launch="persistent" | "ticket")`) take the same work
+    items with the scoring's stages and warps (8 for v1; v2: 4, 8 above 32 attention rows)."""
     _check_pools(pools)
     check_selection(pools.page_size, topk, local_blocks, init_blocks)
     for name, val in (("batch", batch), ("nq", nq), ("num_heads", num_heads), ("width", width)):
@@ -284,13 +313,22 @@ def plan_decode(
     # the page table takes the other stages)
     stages = max(1, min(score_stages, (160 * 1024) // (ps * Di * elt) + (2 if v2 else 0)))
     i64, i32, f32 = torch.int64, torch.int32, torch.float32
+    attn_warps = 4 if ma <= 64 else 8
+    items = batch * S + batch * G * nqc * NSA
+    one_warps = score_warps if not v2 else (4 if ma <= 32 else 8)
+    programs = items
+    maxnreg = None
+    if tiling.launch == "persistent":
+        programs = min(items, tiling.ctas_per_sm * num_sms)
+        cap = 65536 // (tiling.ctas_per_sm * one_warps * 32) // 8 * 8  # registers per thread for ctas_per_sm CTAs
+        maxnreg = cap if cap < 255 else None
     return DecodePlan(
         batch=batch, nq=nq, num_heads=num_heads, num_kv_heads=G, head_dim=D, index_dim=Di, page_size=ps,
         width=width, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, score_splits=S,
         score_impl="v2" if v2 else "v1", pch=max(kp, _pow2(tiling.end_chunk)),
         cluster=cluster, num_clusters=NC, merge_budget=tiling.merge_budget, attn_splits=NSA, qc=qc, nqc=nqc,
-        ma=ma, mp=mp, mr=mr, kp=kp, fuse_combine=v2, score_warps=score_warps, score_stages=stages,
-        attn_warps=4 if ma <= 64 else 8, device=dev,
+        ma=ma, mp=mp, mr=mr, kp=kp, fuse_combine=v2 or tiling.launch != "split", score_warps=score_warps,
+        score_stages=stages, attn_warps=attn_warps, device=dev,
         cand=torch.empty(batch, S, mr, kp, dtype=i64, device=dev),
         cand2=torch.empty(batch, NC, mr, kp, dtype=i64, device=dev),
         cnt1=torch.zeros(batch, NC, dtype=i32, device=dev),
@@ -300,6 +338,8 @@ def plan_decode(
         lse_part=torch.empty(batch, G, nqc, NSA, ma, dtype=f32, device=dev),
         bmax=torch.empty(batch, width, mr, dtype=f32, device=dev) if v2 else None,
         cnt3=torch.zeros(batch, G, nqc, dtype=i32, device=dev),
+        launch=tiling.launch, programs=programs, persistent_warps=one_warps, maxnreg=maxnreg,
+        work=torch.zeros(2 + batch, dtype=i32, device=dev),
     )
 
 

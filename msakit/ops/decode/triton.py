@@ -1,7 +1,7 @@
 """Triton kernels of `msa_decode` (batched, split-K, no host sync, CUDA-graph capturable).
 
-Three launches per call with v1 scoring, two with v2 (`plan_decode` picks by the index keys'
-dtype: v1 for bf16 / fp16 / fp32, v2 for fp8):
+The multi-launch path (`DecodeTiling(launch="split")`): three launches per call with v1 scoring,
+two with v2 (`plan_decode` picks by the index keys' dtype: v1 for bf16 / fp16 / fp32, v2 for fp8):
 
 1. `_score_kernel` (v1), grid (S, B): split s of sequence b scores the pages
    [s * n / S, (s + 1) * n / S) of its n = ceil(L / page_size) pages.  One read of an
@@ -38,6 +38,21 @@ dtype: v1 for bf16 / fp16 / fp32, v2 for fp8):
    finish (an atomic counter, acq_rel, after a CTA barrier; reset to 0) merges the NSA
    partials itself and the third launch is skipped.
 3. `_combine_kernel` (v1), grid (QC * hpg, G * NQC, B): LSE merge of the NSA partials.
+
+One launch (`DecodeTiling(launch="persistent" | "ticket")`): `_persistent_kernel` runs the same
+phases from the same @triton.jit helpers (`_score_v1` / `_score_v2` with their merges, `_attend`
+with the fused combine).  Its programs take work items from an atomic ticket counter in order:
+the scoring splits of every sequence first (sequence-major), then the attention splits.  The
+last scorer of a sequence publishes the final selection with a ready flag (a release after a CTA
+barrier); an attention item spins on its sequence's flag (acquire loads) and reads block_idx past
+L1; the last attention split of a (sequence, group, query chunk) combines.  Since every scoring
+ticket precedes every attention ticket, a spinning program waits only on items that running
+programs hold and that wait on nothing: no deadlock whatever the grid and residency, and under
+TRITON_INTERPRET=1 (programs one after another) program 0 takes every item.  "persistent": at
+most ctas_per_sm x SMs programs loop over tickets until none is left (registers capped so that
+ctas_per_sm fit: the loop keeps its loop-invariant values live across both phases); "ticket": one
+program per item, each taking one ticket.  The last program to leave resets the ticket and exit
+counters and the flags to 0 for the next call.
 
 Everything reads the lengths from device memory; grids depend on shapes only (batch, nq,
 the page-table width through the plan), so one capture serves every replay.
@@ -205,9 +220,25 @@ def _score_kernel(
     CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """Scoring v1 (16-bit or fp32 index keys; see the module docstring)."""
-    s = tl.program_id(0)
-    b = tl.program_id(1)
+    """Scoring v1 (16-bit or fp32 index keys; see the module docstring), grid (S, B)."""
+    _score_v1(qi_ptr, kidx_ptr, pt_ptr, pt_stride, sl_ptr, cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr,
+              cnt2_ptr, tl.program_id(1), tl.program_id(0), S, NC, NQ, G, DI, PS, TOPK, KP, MP, MR, LOCAL, INIT,
+              CODE, CL, NC_PAD, RB1, RB2, NUM_STAGES, False)
+
+
+@triton.jit
+def _score_v1(
+    qi_ptr, kidx_ptr, pt_ptr, pt_stride, sl_ptr,
+    cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, flag_ptr,
+    b, s, S, NC,
+    NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, CODE: tl.constexpr,
+    CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PUBLISH: tl.constexpr,
+):
+    """Score split s of sequence b (v1), store its list, and merge as the last arriver;
+    PUBLISH: the final merge also raises the sequence's ready flag (`_publish`)."""
     b64 = b.to(tl.int64)
     L, p0, p1 = _split_pages(sl_ptr, b, s, S, PS)
 
@@ -241,8 +272,8 @@ def _score_kernel(
     mrow = tl.arange(0, MP)
     cbase = (b64 * S + s) * (MR * KP)
     tl.store(cand_ptr + cbase + mrow[:, None].to(tl.int64) * KP + kcol[None, :], lst, mask=(mrow < MR)[:, None])
-    _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
-                NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
+    _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, flag_ptr, b, s, S, NC,
+                NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2, PUBLISH)
 
 
 @triton.jit
@@ -256,10 +287,20 @@ def _split_pages(sl_ptr, b, s, S, PS: tl.constexpr):
 
 
 @triton.jit
-def _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
+def _publish(flag_ptr, b, PUBLISH: tl.constexpr):
+    """With PUBLISH, raise sequence b's ready flag after its final selection stores (release)."""
+    if PUBLISH:
+        tl.debug_barrier()  # every thread's block_idx stores precede the release below
+        tl.atomic_xchg(flag_ptr + b, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, flag_ptr, b, s, S, NC,
                 NQ: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, MR: tl.constexpr, KP: tl.constexpr,
-                CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr):
-    """The fused selection merge ("last arriver") after split s of sequence b stored its list."""
+                CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
+                PUBLISH: tl.constexpr):
+    """The fused selection merge ("last arriver") after split s of sequence b stored its list;
+    the final merge raises b's ready flag with PUBLISH."""
     b64 = b.to(tl.int64)
     c = s // CL
     n_in = tl.minimum(CL, S - c * CL)
@@ -270,6 +311,7 @@ def _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
         src = (b64 * S + c * CL) * (MR * KP)
         if NC == 1:
             _merge(cand_ptr, src, n_in, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP, CL, RB1)
+            _publish(flag_ptr, b, PUBLISH)
         else:
             _merge(cand_ptr, src, n_in, cand2_ptr, (b64 * NC + c) * (MR * KP), b, (c % 2) == 1, False,
                    NQ, G, TOPK, MR, KP, CL, RB1)
@@ -279,6 +321,7 @@ def _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
                 tl.store(cnt2_ptr + b, 0)
                 _merge(cand2_ptr, b64 * NC * (MR * KP), NC, bidx_ptr, 0, b, True, True, NQ, G, TOPK, MR, KP,
                        NC_PAD, RB2)
+                _publish(flag_ptr, b, PUBLISH)
 
 
 @triton.jit
@@ -311,11 +354,27 @@ def _score2_kernel(
     CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """Scoring v2 (fp8 index keys with per-token scales; see the module docstring): S^T = K Q^T
-    per page (the page's PS tokens are the M dimension), block max per row stored to bmax
-    [B, W, MR]; the split's top-KP list is built once after the loop."""
-    s = tl.program_id(0)
-    b = tl.program_id(1)
+    """Scoring v2 (fp8 index keys with per-token scales; see the module docstring), grid (S, B)."""
+    _score_v2(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
+              cnt1_ptr, cnt2_ptr, bidx_ptr, cnt2_ptr, tl.program_id(1), tl.program_id(0), S, NC, W, NQ, G, DI, PS,
+              TOPK, KP, MP, MR, LOCAL, INIT, CODE, TMA, PCH, CL, NC_PAD, RB1, RB2, NUM_STAGES, False)
+
+
+@triton.jit
+def _score_v2(
+    qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr,
+    cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, flag_ptr,
+    b, s, S, NC, W,
+    NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, CODE: tl.constexpr,
+    TMA: tl.constexpr, PCH: tl.constexpr,
+    CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PUBLISH: tl.constexpr,
+):
+    """Score split s of sequence b (v2): S^T = K Q^T per page (the page's PS tokens are the M
+    dimension), block max per row stored to bmax [B, W, MR]; the split's top-KP list is built
+    once after the loop, then stored and merged as v1's (PUBLISH: see `_score_v1`)."""
     b64 = b.to(tl.int64)
     L, p0, p1 = _split_pages(sl_ptr, b, s, S, PS)
 
@@ -380,8 +439,8 @@ def _score2_kernel(
             run = _top_of_two(run, top, KP)
     lst = tl.where((s % 2) == 1, run, tl.flip(run, 1))  # the merges expect even lists ascending, odd descending
     tl.store(cand_ptr + (b64 * S + s) * (MR * KP) + r[:, None].to(tl.int64) * KP + kcol[None, :], lst)
-    _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, b, s, S, NC,
-                NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2)
+    _merge_tail(cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, flag_ptr, b, s, S, NC,
+                NQ, G, TOPK, MR, KP, CL, NC_PAD, RB1, RB2, PUBLISH)
 
 
 @triton.jit
@@ -394,9 +453,25 @@ def _attn_kernel(
     KV_FP8: tl.constexpr, CODE: tl.constexpr,
     FUSE_COMBINE: tl.constexpr = False, NSA_PAD: tl.constexpr = 1, RETURN_LSE: tl.constexpr = False,
 ):
-    s = tl.program_id(0)
-    rc = tl.program_id(1)
-    b = tl.program_id(2)
+    """Attention, grid (NSA, G * NQC, B) (see the module docstring)."""
+    _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pt_ptr, pt_stride, sl_ptr, bidx_ptr, op_ptr, lp_ptr, o_ptr, lse_ptr,
+            cnt3_ptr, qk_scale, NSA, tl.program_id(2), tl.program_id(1), tl.program_id(0), NQ, G, HPG, D, PS, TOPK,
+            KP, QC, NQC, MA, KV_FP8, CODE, FUSE_COMBINE, NSA_PAD, RETURN_LSE)
+
+
+@triton.jit
+def _attend(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pt_ptr, pt_stride, sl_ptr, bidx_ptr, op_ptr, lp_ptr,
+    o_ptr, lse_ptr, cnt3_ptr,
+    qk_scale, NSA, b, rc, s,
+    NQ: tl.constexpr, G: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
+    KV_FP8: tl.constexpr, CODE: tl.constexpr,
+    FUSE_COMBINE: tl.constexpr, NSA_PAD: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    """Attention split s of (sequence b, group-and-query-chunk rc): a normalized partial and its
+    log2-sum-exp per row; with FUSE_COMBINE the last split to finish merges the NSA partials.
+    block_idx is read past L1 (.cg): in the persistent kernel another CTA wrote it."""
     r = rc // NQC
     qc = rc % NQC
     b64 = b.to(tl.int64)
@@ -421,13 +496,13 @@ def _attn_kernel(
     q = _to_dot(q, CODE)
     sel_base = ((b64 * G + r) * NQ + qc * QC) * TOPK  # this chunk's entries, flattened (query, slot)
     sel = tl.load(bidx_ptr + sel_base + li[:, None] * TOPK + kcol[None, :],
-                  mask=row_ok[:, None] & (kcol < TOPK)[None, :], other=-1)
+                  mask=row_ok[:, None] & (kcol < TOPK)[None, :], other=-1, cache_modifier=".cg")
     flat = li[:, None] * TOPK + kcol[None, :]
 
     m_i = tl.full([MA], float("-inf"), tl.float32)
     l_i = tl.zeros([MA], tl.float32)
     acc = tl.zeros([MA, D], tl.float32)
-    for e in range(e0, e1):
+    for e in tl.range(e0, e1, num_stages=1):  # (the persistent kernel's num_stages is the scoring's)
         blk = tl.max(tl.max(tl.where(flat == e, sel, -1), axis=1), axis=0)  # entry e, from registers
         hit = sel == blk
         first = tl.min(tl.min(tl.where(hit, flat, E), axis=1), axis=0)
@@ -476,7 +551,7 @@ def _attn_kernel(
             mxs = tl.where(mx == float("-inf"), 0.0, mx)
             den = tl.sum(tl.exp2(lse_all - mxs[None, :]), axis=0)
             acc = tl.zeros([MA, D], tl.float32)
-            for j in range(0, NSA):
+            for j in tl.range(0, NSA, num_stages=1):
                 lj = tl.load(lp_ptr + (base + j) * MA + m, cache_modifier=".cg")
                 pj = tl.load(op_ptr + ((base + j) * MA + m[:, None]) * D + dd[None, :], cache_modifier=".cg")
                 acc += tl.exp2(lj - mxs)[:, None] * pj
@@ -522,6 +597,95 @@ def _combine_kernel(
             tl.store(lse_ptr + (b64 * (G * HPG) + h) * NQ + i, val)
 
 
+@triton.jit
+def _persistent_kernel(
+    qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr,
+    cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr, o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA,
+    work_ptr, B,
+    NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, CODE_IDX: tl.constexpr, V2: tl.constexpr,
+    TMA: tl.constexpr, PCH: tl.constexpr,
+    CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HPG: tl.constexpr, D: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
+    KV_FP8: tl.constexpr, CODE_KV: tl.constexpr, NSA_PAD: tl.constexpr, RETURN_LSE: tl.constexpr,
+    LOOP: tl.constexpr,
+):
+    """The whole decode step of one layer in one launch (see the module docstring).
+
+    work_ptr: int32 [2 + B] = (ticket counter, exit counter, one ready flag per sequence), all 0
+    on entry and reset to 0 by the last program to leave.  Tickets [0, B * S) are the scoring
+    items (sequence-major), [B * S, B * S + B * G * NQC * NSA) the attention items
+    (sequence-major, then group-and-query-chunk, then split).  LOOP: each program takes tickets
+    until none is left (grid <= resident programs); else each program takes one ticket (grid =
+    the number of items)."""
+    total = B * S + B * G * NQC * NSA
+    t = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+    if LOOP:
+        while t < total:
+            _work_item(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
+                       cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr,
+                       o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA, work_ptr + 2, t, B * S, NQ, G, DI, PS, TOPK, KP, MP, MR,
+                       LOCAL, INIT, CODE_IDX, V2, TMA, PCH, CL, NC_PAD, RB1, RB2, NUM_STAGES, HPG, D, QC, NQC, MA,
+                       KV_FP8, CODE_KV, NSA_PAD, RETURN_LSE)
+            t = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+    elif t < total:
+        _work_item(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
+                   cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr,
+                   o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA, work_ptr + 2, t, B * S, NQ, G, DI, PS, TOPK, KP, MP, MR,
+                   LOCAL, INIT, CODE_IDX, V2, TMA, PCH, CL, NC_PAD, RB1, RB2, NUM_STAGES, HPG, D, QC, NQC, MA,
+                   KV_FP8, CODE_KV, NSA_PAD, RETURN_LSE)
+    # the last program to leave (all items done) resets the queue for the next call
+    left = tl.atomic_add(work_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == tl.num_programs(0) - 1:
+        tl.store(work_ptr, 0)
+        tl.store(work_ptr + 1, 0)
+        i = tl.arange(0, 128)
+        for b0 in range(0, B, 128):
+            tl.store(work_ptr + 2 + b0 + i, 0, mask=b0 + i < B)
+
+
+@triton.jit
+def _work_item(
+    qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr,
+    cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr, o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA, flag_ptr, t,
+    n_score,
+    NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, CODE_IDX: tl.constexpr, V2: tl.constexpr,
+    TMA: tl.constexpr, PCH: tl.constexpr,
+    CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HPG: tl.constexpr, D: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
+    KV_FP8: tl.constexpr, CODE_KV: tl.constexpr, NSA_PAD: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    """Work item t of `_persistent_kernel`: a scoring split (its final merge raises the
+    sequence's ready flag), or an attention split that first waits for that flag."""
+    if t < n_score:
+        b = t // S
+        if V2:
+            _score_v2(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
+                      cnt1_ptr, cnt2_ptr, bidx_ptr, flag_ptr, b, t - b * S, S, NC, W, NQ, G, DI, PS, TOPK, KP, MP, MR,
+                      LOCAL, INIT, CODE_IDX, TMA, PCH, CL, NC_PAD, RB1, RB2, NUM_STAGES, True)
+        else:
+            _score_v1(qi_ptr, kidx_ptr, pt_ptr, pt_stride, sl_ptr, cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr,
+                      flag_ptr, b, t - b * S, S, NC, NQ, G, DI, PS, TOPK, KP, MP, MR, LOCAL, INIT, CODE_IDX, CL,
+                      NC_PAD, RB1, RB2, NUM_STAGES, True)
+    else:
+        per_b = G * NQC * NSA
+        u = t - n_score
+        b = u // per_b
+        rem = u - b * per_b
+        rc = rem // NSA
+        # every scoring ticket precedes this one: the programs that hold them are running and wait
+        # on nothing, so the flag rises (in the interpreter this program scored b itself)
+        ready = tl.atomic_add(flag_ptr + b, 0, sem="acquire", scope="gpu")
+        while ready == 0:
+            ready = tl.atomic_add(flag_ptr + b, 0, sem="acquire", scope="gpu")
+        _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pt_ptr, pt_stride, sl_ptr, bidx_ptr, op_ptr, lp_ptr, o_ptr,
+                lse_ptr, cnt3_ptr, qk_scale, NSA, b, rc, rem - rc * NSA, NQ, G, HPG, D, PS, TOPK, KP, QC, NQC, MA,
+                KV_FP8, CODE_KV, True, NSA_PAD, RETURN_LSE)
 def _tma_ok(k_idx: torch.Tensor) -> bool:
     """Whether the index-key pool [P, PS, Di] can be read through one [P * PS, Di] tensor map."""
     return k_idx.is_contiguous() and k_idx.data_ptr() % 16 == 0 and (k_idx.shape[2] * k_idx.element_size()) % 16 == 0
@@ -545,7 +709,8 @@ def next_pow2(x: int) -> int:
 
 def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse: bool, phases: str = "all"):
     """Runs the phases with the plan's workspace; returns (o, lse or None).
-    phases="select" stops after the selection (for benchmarks; returns (None, None))."""
+    phases="select" stops after the selection (for benchmarks of the multi-launch path; returns
+    (None, None)).  A "persistent" or "ticket" plan runs `_persistent_kernel` (one launch)."""
     B, NQ, HQ, D = q.shape
     G, DI, PS = pools.num_kv_heads, pools.index_dim, pools.page_size
     HPG = HQ // G
@@ -559,35 +724,55 @@ def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse
     RB2 = _rows_per_merge(plan.mr, NC_PAD * plan.kp, plan.merge_budget)
     score_kw = dict(NQ=NQ, G=G, DI=DI, PS=PS, TOPK=plan.topk, KP=plan.kp, MP=plan.mp, MR=plan.mr,
                     LOCAL=plan.local_blocks, INIT=plan.init_blocks, CL=plan.cluster, NC_PAD=NC_PAD, RB1=RB1, RB2=RB2,
-                    NUM_STAGES=plan.score_stages, num_warps=plan.score_warps, num_stages=plan.score_stages)
-    if plan.score_impl == "v2":
-        if q_idx.dtype == torch.bfloat16:
-            code_idx = 3  # exact fp16 products of the fp8 keys and the power-of-2 pre-scaled query
-        tma = _tma_ok(pools.k_idx)
-        kdesc = _index_desc(pools.k_idx) if tma else dummy
+                    NUM_STAGES=plan.score_stages)
+    v2 = plan.score_impl == "v2"
+    tma = v2 and _tma_ok(pools.k_idx)
+    kdesc = _index_desc(pools.k_idx) if tma else dummy
+    if v2 and q_idx.dtype == torch.bfloat16:
+        code_idx = 3  # exact fp16 products of the fp8 keys and the power-of-2 pre-scaled query
+    NSA, QC, NQC, MA = plan.attn_splits, plan.qc, plan.nqc, plan.ma
+    kv_scales = (pools.k_scale, pools.v_scale) if pools.kv_fp8 else (dummy, dummy)
+    attn_kw = dict(HPG=HPG, D=D, QC=QC, NQC=NQC, MA=MA, KV_FP8=pools.kv_fp8, NSA_PAD=next_pow2(NSA),
+                   RETURN_LSE=return_lse)
+    if plan.launch != "split":
+        if phases != "all":
+            raise ValueError(f"a {plan.launch!r} plan runs every phase in one launch (phases='all')")
+        o = torch.empty_like(q)
+        lse = torch.empty(B, HQ, NQ, dtype=torch.float32, device=q.device) if return_lse else dummy
+        _persistent_kernel[(plan.programs,)](
+            q_idx, pools.k_idx, kdesc, pools.k_idx_scale if v2 else dummy, page_table, pt_stride, seq_lens,
+            plan.bmax if v2 else dummy, plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC,
+            page_table.shape[1], q, pools.k, pools.v, *kv_scales, plan.o_part, plan.lse_part, o, lse, plan.cnt3,
+            scale * LOG2E, NSA, plan.work, B, CODE_IDX=code_idx, V2=v2, TMA=tma, PCH=plan.pch, CODE_KV=code_kv,
+            LOOP=plan.launch == "persistent", **score_kw, **attn_kw, num_warps=plan.persistent_warps,
+            num_stages=plan.score_stages, **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
+        )
+        return o, (lse if return_lse else None)
+    launch_kw = dict(num_warps=plan.score_warps, num_stages=plan.score_stages)
+    if v2:
         _score2_kernel[(S, B)](
             q_idx, pools.k_idx, kdesc, pools.k_idx_scale, page_table, pt_stride, seq_lens, plan.bmax,
             plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC, plan.bmax.shape[1],
-            CODE=code_idx, TMA=tma, PCH=plan.pch, **score_kw,
+            CODE=code_idx, TMA=tma, PCH=plan.pch, **score_kw, **launch_kw,
         )
     else:
         _score_kernel[(S, B)](
             q_idx, pools.k_idx, page_table, pt_stride, seq_lens,
             plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC, CODE=code_idx, **score_kw,
+            **launch_kw,
         )
     if phases == "select":
         return None, None
-    NSA, QC, NQC, MA = plan.attn_splits, plan.qc, plan.nqc, plan.ma
     o = torch.empty_like(q)
     lse = torch.empty(B, HQ, NQ, dtype=torch.float32, device=q.device) if return_lse else plan.lse_part
     fuse = plan.fuse_combine
+    attn_kw.pop("HPG")
     _attn_kernel[(NSA, G * NQC, B)](
-        q, pools.k, pools.v, pools.k_scale if pools.kv_fp8 else dummy, pools.v_scale if pools.kv_fp8 else dummy,
+        q, pools.k, pools.v, *kv_scales,
         page_table, pt_stride, seq_lens, plan.block_idx, plan.o_part, plan.lse_part,
         o if fuse else dummy, lse if fuse else dummy, plan.cnt3 if fuse else dummy, scale * LOG2E, NSA,
-        NQ=NQ, G=G, HPG=HPG, D=D, PS=PS, TOPK=plan.topk, KP=plan.kp, QC=QC, NQC=NQC, MA=MA,
-        KV_FP8=pools.kv_fp8, CODE=code_kv, FUSE_COMBINE=fuse, NSA_PAD=next_pow2(NSA),
-        RETURN_LSE=return_lse, num_warps=plan.attn_warps, num_stages=1,
+        NQ=NQ, G=G, HPG=HPG, PS=PS, TOPK=plan.topk, KP=plan.kp, CODE=code_kv, FUSE_COMBINE=fuse, **attn_kw,
+        num_warps=plan.attn_warps, num_stages=1,
     )
     if fuse:
         return o, (lse if return_lse else None)
