@@ -307,6 +307,11 @@ def _run_eval(model: Any, tokenizer: Any, cfg: EvalConfig, out: Path, *, progres
                         plan.append((policy, task, length, depth, todo))
     total = sum(len(p[-1]) for p in plan)
     log(f"{total} samples to run ({len(done)} already in {rpath})")
+    sparse = [p for p in cfg.policies if parse_policy(p)[0] in POLICY_NAMES]
+    covered = [str(n) for n in cfg.lengths if cfg.budget.covers(n)]
+    if sparse and covered:
+        log(f"note: the budget {cfg.budget} ({cfg.budget.keys} keys per query) covers length {', '.join(covered)}: "
+            f"{', '.join(sparse)} attend every key there, the same as dense")
     docs_cache: dict[int, list] = {}
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):

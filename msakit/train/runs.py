@@ -34,6 +34,7 @@ from msakit.train.data import PreparedData, prepare_data
 from msakit.train.folders import (MODEL_DIR, TRAIN_COMMANDS, check_context, check_new_out, check_vocab, folder_kind,
                                   load_model_folder, model_folder, new_run_dir, resume_dir, save_model_folder,
                                   tokenizer_beside)
+from msakit.train.metrics import msa_selections
 from msakit.train.tokenizer import Tokenizer
 from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, config_from_dict, read_metrics
 
@@ -237,6 +238,31 @@ def model_line(trainer: Trainer) -> str:
             f"{trainer.train_rows.context} tokens")
 
 
+def dense_selection_note(trainer: Trainer) -> str | None:
+    """The note for a run whose sparse steps are dense in fact: every MSA layer's selection keeps
+    every block of the run's context (`Selection.covers`), so "sparse" attention attends every
+    key.  None when the run has no sparse steps or a selection that selects."""
+    c, context = trainer.cfg, trainer.train_rows.context
+    if c.train == "index" or c.dense_warmup_steps >= c.steps:
+        return None
+    sels = msa_selections(trainer.model)
+    if not sels or not all(s.covers(context) for s in sels):
+        return None
+    s = sels[0]
+    return (f"note: the selection (top-{s.topk} blocks of {s.block_size} = {s.keys} tokens) covers the whole "
+            f"context of {context} tokens: the sparse steps attend every key, the same as dense attention; a "
+            f"context longer than {s.keys} tokens (or a smaller top-k / block) makes them sparse")
+
+
+def describe_run(trainer: Trainer, log: Log) -> None:
+    """Say the model and the run's plan (`model_line`), and once, where it applies, that its
+    sparse attention is dense (`dense_selection_note`)."""
+    log(model_line(trainer))
+    note = dense_selection_note(trainer)
+    if note:
+        log(note)
+
+
 @dataclass
 class RunResult:
     """A finished (or stopped) run: its trainer and, for a conversion run, the model folder saved
@@ -294,7 +320,7 @@ def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str |
                           activation_checkpointing=activation_checkpointing)
         if main_rank:
             tok.save(out)
-            log(model_line(trainer))
+            describe_run(trainer, log)
         trainer.fit()
     if main_rank:
         log(summary_line(trainer, t0))
@@ -362,7 +388,7 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
             plan = f"indexer warm-up (dense) for {train.dense_warmup_steps} steps, then sparse to step {train.steps}"
         say_(f"converted {folder}: validation loss dense {before_d:.3f}, sparse with the untrained indexer "
              f"{before_s:.3f}; {plan}")
-        say_(model_line(trainer))
+        describe_run(trainer, say_)
         trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
     ev = trainer.last_eval or {}
     if ev.get("step") == trainer.step and "val_loss_dense" in ev and "val_loss_sparse" in ev:
@@ -444,7 +470,7 @@ def _resume_run(out: Path, *, checkpoint: Path | None, steps: int | None, device
     if not (out / "tokenizer.json").is_file():
         tok.save(out)
     log(f"resumed {ck} at step {trainer.step}")
-    log(model_line(trainer))
+    describe_run(trainer, log)
     trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
     log(summary_line(trainer, t0))
     return RunResult(trainer, save_model_folder(trainer.model, tok, out / MODEL_DIR) if conversion else None)
