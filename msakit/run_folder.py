@@ -194,8 +194,8 @@ def check_fresh(out: str | os.PathLike[str], *, legacy: Legacy | None = None) ->
         return
     marker = read_marker(out)
     if marker is not None:
-        raise RunFolderError(f"--out {out} already holds a run of {_cmd(marker['command'])}: continue it with "
-                             f"`msakit {marker['command']} --resume --out {out}` or choose another --out")
+        raise RunFolderError(f"--out {out} already holds a run of {_cmd(marker['command'])}: choose another --out "
+                             "(a run is continued by its own command with --resume)")
     if legacy is not None and legacy(out):
         raise RunFolderError(f"--out {out} already holds a run: pass --resume to continue it or choose another --out")
     n = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
