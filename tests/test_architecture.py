@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parents[1] / "msakit"
 # layer of each top-level part of msakit: a part may import parts of a lower layer, and parts of
 # its own layer only where SAME_LAYER allows it (peers without cycles)
 LAYERS = {
-    "config_io": 0, "version": 0, "cost": 1, "sampling": 0, "ops": 0,
+    "config_io": 0, "version": 0, "jsonl": 0, "run_folder": 0, "cost": 1, "sampling": 0, "ops": 0,
     "cache": 1,
     "nn": 2,
     "models": 3,
@@ -20,7 +20,7 @@ LAYERS = {
     "commands": 5, "cli": 6, "__main__": 7, "__init__": 7,
 }
 SAME_LAYER = {  # (importer, imported) among peers; the graph of these pairs has no cycle
-    ("cost", "config_io"),
+    ("cost", "config_io"), ("run_folder", "version"),
     ("generate", "graphs"), ("speculative", "generate"), ("speculative", "graphs"), ("speculative", "train"),
     ("speculative", "quant"), ("train", "distributed"), ("train", "generate"),
 }

@@ -5,7 +5,7 @@ over long documents and on generated retrieval tasks (passkey, multi-key needle,
 match by teacher forcing, under selection policies: dense, last<N> (dense on the last N tokens), window,
 window0 (window plus block 0), oracle, msa.  On an HF folder, window / oracle policies run on its own
 attention; with msa it gets an untrained index branch at the budget's block size.  Writes results.jsonl
-(resumable), summary.json, table.md and plot.png.
+(strict JSON, resumable), summary.json, table.md and plot.png, the report of every result the folder holds.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from msakit.commands import command_parser
-from msakit.eval import EvalConfig, parse_policy, run_eval
+from msakit.eval import EvalConfig, check_out, parse_policy, run_eval
 from msakit.ops.index_topk import Selection
 from msakit.eval.loading import load_eval_model, load_eval_tokenizer
 from msakit.train.trainer import resolve_device
@@ -44,7 +44,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="forced leading blocks of an HF folder's selection (its fresh index branch and the oracle); "
                         "default 0")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must be new or empty unless --resume)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished samples")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the evaluation in --out (a folder `msakit eval` wrote), skipping finished samples; "
+                        "the report covers every result the folder holds")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="float32", metavar="DTYPE", help=f"model dtype: {', '.join(DTYPES)}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -108,19 +110,17 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model).expanduser()
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"--model {model_dir}: no config.json (expected a model folder)")
-    out = Path(args.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not args.resume:
-        raise ValueError(f"--out {out} exists and is not empty: pass --resume to continue it, or another --out")
     device = resolve_device(args.device)
+    out = Path(args.out).expanduser()
+    check_out(out, resume=args.resume)  # before the model loads; run_eval holds the folder
     dtype = getattr(torch, args.dtype)
     tokenizer = load_eval_tokenizer(model_dir, args.tokenizer)
     log = lambda s: print(f"msakit eval: {s}", file=sys.stderr, flush=True)  # noqa: E731
     log(f"loading {model_dir} ({args.dtype}, {device})")
     model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log)
     with torch.inference_mode():
-        run_eval(model, tokenizer, cfg, out, progress=not args.no_progress, log=log, model_name=str(model_dir))
+        run_eval(model, tokenizer, cfg, out, progress=not args.no_progress, log=log, model_name=str(model_dir),
+                 resume=args.resume)
     log(f"wrote {out / 'table.md'}, {out / 'summary.json'}, {out / 'plot.png'}")
     print((out / "table.md").read_text(), end="")
     return 0

@@ -2,8 +2,9 @@
 
 Load a checkpoint (run folder, checkpoint or model folder) and the tokenizer saved beside it, then sample a
 continuation of the prompt, streaming it to stdout.  With --drafter (a `msakit train-drafter` run or drafter
-folder) the tokens come from DSpark speculative decoding (the same distribution as plain sampling) and the
-accepted length is printed to stderr.
+folder) the tokens come from DSpark speculative decoding (the same distribution as plain sampling); the accepted
+length and the decoding speed, beside plain decoding's (timed over a few tokens of the same prompt), are printed to
+stderr, with a warning where speculation costs more than it saves.
 """
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ def run(args: argparse.Namespace) -> int:
     stats = gen.stream(prompt or "", sys.stdout, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, mode=args.mode)
     if stats is not None and stats.row_rounds:
+        speed = f", {stats.tokens_per_s:.1f} tokens/s" if stats.tokens_per_s else ""
+        if stats.plain_tokens_per_s:
+            speed += f" (plain decoding {stats.plain_tokens_per_s:.1f} tokens/s)"
         print(f"speculative decoding: accepted length {stats.accepted_length:.2f} tokens per target forward "
-              f"({stats.rounds} rounds, {stats.accepted_drafts} of {stats.verified_drafts} drafts accepted)",
+              f"({stats.rounds} rounds, {stats.accepted_drafts} of {stats.verified_drafts} drafts accepted){speed}",
               file=sys.stderr)
+        warning = stats.cost_warning()
+        if warning:
+            print(f"msakit generate: warning: {warning}", file=sys.stderr)
     return 0

@@ -48,7 +48,7 @@ def resume(args: argparse.Namespace, device) -> int:
                         compile=bool(getattr(args, "compile", False)),
                         activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)),
                         max_tokens=getattr(args, "max_tokens", None), time_budget=getattr(args, "time_budget", None),
-                        cache_dir=args.cache_dir, progress=not args.no_progress)
+                        cache_dir=args.cache_dir, progress=not args.no_progress, command=args.command)
     if result is not None and result.model_dir is not None:
         print(f"model: {result.model_dir}")
     return 0

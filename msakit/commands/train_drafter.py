@@ -89,11 +89,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         over["markov_rank"] = 0
     if args.no_confidence:
         over["enable_confidence_head"] = False
-    if args.taps:
+    if args.taps is not None:  # given: used or refused, never replaced by the default
         try:
-            over["target_layer_ids"] = [int(x) for x in args.taps.split(",") if x.strip()]
+            over["target_layer_ids"] = [int(x) for x in args.taps.split(",")]
         except ValueError:
-            raise ValueError(f"--taps must be comma-separated layer indices, got {args.taps!r}") from None
+            raise ValueError(f"--taps must be comma-separated layer indices (e.g. 1,3), got {args.taps!r}") from None
     if args.noise_token_id is not None:
         over["noise_token_id"] = args.noise_token_id
     return over

@@ -11,13 +11,14 @@ from msakit.eval.documents import Document, long_documents
 from msakit.eval.hf_policy import HFPolicyModel
 from msakit.eval.policies import POLICY_NAMES, Policy, make_policy, oracle_block_idx, window_block_idx
 from msakit.eval.report import markdown_table, summarize, write_report
-from msakit.eval.runner import TASKS, EvalConfig, configure_model, parse_policy, read_records, run_eval
+from msakit.eval.runner import (TASKS, EvalConfig, check_out, configure_model, grid_of, parse_policy, read_records,
+                               run_eval)
 from msakit.eval.scoring import answer_scores, bucket_edges, bucket_sums, model_logits, token_nll
 from msakit.eval.tasks import RETRIEVAL_TASKS, Sample, encoder, make_sample, make_samples
 
 __all__ = [
     "Document", "EvalConfig", "HFPolicyModel", "POLICY_NAMES", "Policy", "RETRIEVAL_TASKS", "Sample", "TASKS",
-    "answer_scores", "bucket_edges", "bucket_sums", "configure_model", "encoder", "long_documents",
+    "answer_scores", "bucket_edges", "bucket_sums", "check_out", "configure_model", "grid_of", "encoder", "long_documents",
     "make_policy", "make_sample", "make_samples", "markdown_table", "model_logits",
     "oracle_block_idx", "parse_policy", "read_records", "run_eval", "summarize",
     "token_nll", "window_block_idx", "write_report",

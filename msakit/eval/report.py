@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
 from msakit.eval.scoring import bucket_start
+from msakit.jsonl import dumps_strict
 
 __all__ = ["markdown_table", "plot", "summarize", "write_report"]
 
@@ -173,11 +173,12 @@ def plot(summary: dict[str, Any], path: str | os.PathLike[str]) -> Path | None:
 
 def write_report(records: Sequence[dict[str, Any]], cfg: Any, out_dir: str | os.PathLike[str], *,
                  model_name: str | None = None) -> dict[str, Any]:
-    """summary.json, table.md and plot.png in `out_dir`; returns the summary."""
+    """summary.json (strict JSON: a non-finite value is null), table.md and plot.png in
+    `out_dir`; returns the summary."""
     out = Path(out_dir)
     summary = summarize(records, cfg)
     summary["model"] = model_name
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.json").write_text(dumps_strict(summary, indent=2) + "\n")
     (out / "table.md").write_text(markdown_table(summary))
     plot(summary, out / "plot.png")
     return summary

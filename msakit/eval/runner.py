@@ -14,14 +14,19 @@ batch of samples; no cache).  Sparse policies need the interfaces declared in
 Policy names: ``dense`` (full context), ``last<N>`` (dense on the last N tokens only, e.g.
 ``last1024``), and the sparse policies ``msa``, ``window``, ``window0``, ``oracle``.
 
-Each finished batch appends one JSON line per sample to ``results.jsonl`` (flushed and synced);
-a rerun into the same folder skips the samples already there.  ``settings.json`` keeps what
-decides the samples (seed, budget, task options, documents): a rerun with other values is
-refused.  `write_report` turns the records into ``summary.json``, ``table.md`` and ``plot.png``.
+The output folder is a run folder of `msakit.run_folder` (command "eval"): a fresh evaluation
+takes a new or empty folder, a resumed one only a folder an evaluation wrote (its marker), and
+the folder is locked while the evaluation runs.  Each finished batch appends one strict JSON line
+per sample to ``results.jsonl`` (`msakit.jsonl`: a non-finite score is written as null; flushed
+and synced); a resumed run skips the samples already there.  ``settings.json`` keeps what decides
+the samples (seed, budget, task options, documents): a rerun with other values is refused.
+`write_report` turns every record the folder holds (this run's grid and the earlier runs' tasks,
+lengths, depths and policies alike) into ``summary.json``, ``table.md`` and ``plot.png``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -48,13 +53,17 @@ from msakit.eval.tasks import (
     encoder,
     make_sample,
 )
+from msakit.jsonl import append_jsonl, drop_torn_tail, dumps_strict, read_jsonl
 from msakit.models.interface import SelectionModel, SparseModel
 from msakit.ops.index_topk import Selection
+from msakit.run_folder import check_fresh, check_resume, claim, read_marker
 
-__all__ = ["EvalConfig", "TASKS", "check_model", "configure_model", "parse_policy", "read_records", "run_eval"]
+__all__ = ["EVAL_COMMAND", "EvalConfig", "TASKS", "check_model", "check_out", "configure_model", "grid_of",
+           "parse_policy", "read_records", "run_eval"]
 
 TASKS = ("loss",) + RETRIEVAL_TASKS
 RESULTS = "results.jsonl"
+EVAL_COMMAND = "eval"  # the command whose runs evaluation folders are (their marker)
 SETTINGS = "settings.json"
 _LAST_RE = re.compile(r"^last(\d+)([kK]?)$")
 
@@ -126,37 +135,56 @@ def record_key(policy: str, task: str, length: int, depth: float | None, index: 
 
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a results.jsonl (a torn last line, from an interrupted write, is ignored)."""
-    p = Path(path)
-    if not p.is_file():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-def _drop_torn_tail(path: Path) -> None:
-    """Cut a last line without its newline (an interrupted write) so new records start clean."""
-    if not path.is_file():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as fh:
-            fh.truncate(data.rfind(b"\n") + 1)
+    return read_jsonl(path)
 
 
 def _append(path: Path, records: Iterable[dict[str, Any]]) -> None:
-    with open(path, "a") as fh:
-        for r in records:
-            fh.write(json.dumps(r, sort_keys=True) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    append_jsonl(path, *records, sort_keys=True, sync=True)
+
+
+def holds_results(out: Path) -> bool:
+    """Whether `out` holds an evaluation's settings and results (one written before run folders
+    had markers counts as an evaluation run)."""
+    return (out / SETTINGS).is_file() and (out / RESULTS).is_file()
+
+
+def keeps_results(out: Path) -> bool:
+    """Whether an interrupted fresh evaluation in `out` has results worth resuming."""
+    return bool(read_records(out / RESULTS))
+
+
+def check_out(out: str | os.PathLike[str], resume: bool | None = None) -> bool:
+    """RunFolderError unless an evaluation may write `out` (nothing is written): `resume` True, a
+    folder an evaluation wrote; False, a new or empty folder; None, either.  Returns whether the
+    evaluation continues an earlier one."""
+    out = Path(out)
+    if resume is None:
+        resume = out.is_dir() and (read_marker(out) is not None or holds_results(out))
+    if resume:
+        check_resume(out, EVAL_COMMAND, legacy=holds_results)
+    else:
+        check_fresh(out, legacy=holds_results)
+    return resume
+
+
+def grid_of(records: Sequence[dict[str, Any]], cfg: EvalConfig) -> EvalConfig:
+    """`cfg` widened to every record of the folder: the union of the tasks, lengths, depths and
+    policies of this run and the records (earlier runs into the same folder; the identity, which
+    decides the samples, is the same for all), and the largest sample count."""
+    def union(first: Sequence[Any], more: Iterable[Any]) -> list[Any]:
+        out = list(first)
+        for x in more:
+            if x is not None and x not in out:
+                out.append(x)
+        return out
+
+    recs = [r for r in records if r.get("task") in TASKS and isinstance(r.get("length"), int)]
+    tasks = union(cfg.tasks, (r["task"] for r in recs))
+    depths = union([float(d) for d in cfg.depths], (float(r["depth"]) for r in recs if r.get("depth") is not None))
+    return dataclasses.replace(
+        cfg, tasks=[t for t in TASKS if t in tasks], lengths=sorted(union(cfg.lengths, (r["length"] for r in recs))),
+        depths=sorted(depths), policies=union(cfg.policies, (r.get("policy") for r in recs)),
+        samples=max([cfg.samples] + [int(r["index"]) + 1 for r in recs if isinstance(r.get("index"), int)]))
 
 
 def _check_policy(model: Any, policy: str) -> str:
@@ -234,16 +262,25 @@ def _loss_record(model: Any, ids: list[int], keep: int | None, device: torch.dev
 def run_eval(
     model: Any, tokenizer: Any, cfg: EvalConfig, out_dir: str | os.PathLike[str], *,
     progress: bool = True, log: Callable[[str], None] | None = None, model_name: str | None = None,
+    resume: bool | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` under every policy of `cfg`, appending to OUT/results.jsonl, then write
-    the report (summary.json, table.md, plot.png).  Returns the summary."""
+    the report (summary.json, table.md, plot.png) of every result the folder holds.  `resume`
+    True continues an evaluation's folder, False takes a new or empty one, None either
+    (`check_out`); the folder is held (locked) while the evaluation runs.  Returns the summary."""
+    check_model(model, cfg.policies)
+    out = Path(out_dir)
+    resume = check_out(out, resume)
+    with claim(out, EVAL_COMMAND, resume=resume, legacy=holds_results, keep=keeps_results):
+        return _run_eval(model, tokenizer, cfg, out, progress=progress, log=log or (lambda s: None),
+                         model_name=model_name)
+
+
+def _run_eval(model: Any, tokenizer: Any, cfg: EvalConfig, out: Path, *, progress: bool,
+              log: Callable[[str], None], model_name: str | None) -> dict[str, Any]:
     # tqdm is an optional dependency (msakit[train]): imported when an evaluation runs
     from tqdm.auto import tqdm
 
-    log = log or (lambda s: None)
-    check_model(model, cfg.policies)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ident = cfg.identity()
     spath = out / SETTINGS
     if spath.is_file():
@@ -251,9 +288,10 @@ def run_eval(
         diff = {k: (old.get(k), v) for k, v in ident.items() if old.get(k) != v}
         if diff:
             raise ValueError(f"{out} holds results made with other settings {diff} (old, new): use another --out")
-    spath.write_text(json.dumps(dict(identity=ident, model=model_name, config=_jsonable(asdict(cfg))), indent=2) + "\n")
+    spath.write_text(dumps_strict(dict(identity=ident, model=model_name, config=_jsonable(asdict(cfg))), indent=2)
+                     + "\n")
     rpath = out / RESULTS
-    _drop_torn_tail(rpath)
+    drop_torn_tail(rpath)
     done = {r.get("key") for r in read_records(rpath)}
     encode = encoder(tokenizer)
     pieces = TokenPieces(encode)
@@ -269,6 +307,11 @@ def run_eval(
                         plan.append((policy, task, length, depth, todo))
     total = sum(len(p[-1]) for p in plan)
     log(f"{total} samples to run ({len(done)} already in {rpath})")
+    sparse = [p for p in cfg.policies if parse_policy(p)[0] in POLICY_NAMES]
+    covered = [str(n) for n in cfg.lengths if cfg.budget.covers(n)]
+    if sparse and covered:
+        log(f"note: the budget {cfg.budget} ({cfg.budget.keys} keys per query) covers length {', '.join(covered)}: "
+            f"{', '.join(sparse)} attend every key there, the same as dense")
     docs_cache: dict[int, list] = {}
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -324,7 +367,8 @@ def run_eval(
             configure_model(model, "dense", cfg.budget)
         if was_training and hasattr(model, "train"):
             model.train()
-    return write_report(read_records(rpath), cfg, out, model_name=model_name)
+    records = read_records(rpath)
+    return write_report(records, grid_of(records, cfg), out, model_name=model_name)
 
 
 def _jsonable(x: Any) -> Any:

@@ -543,6 +543,7 @@ def _check_target(target) -> None:
 
 
 PREFILL_CHUNK = 1024
+MIN_ACCEPTED_LENGTH = 1.05  # tokens per round below which speculation cannot pay: the drafts are (almost) all rejected
 
 
 @dataclass
@@ -558,10 +559,35 @@ class SpecStats:
     position_accepts: list[int] = field(default_factory=list)  # per draft position: times accepted
     position_tries: list[int] = field(default_factory=list)  # times it was verified
     seconds: float = 0.0
+    # decoding speeds after the first token (the prefill excluded), where measured
+    # (`msakit.speculative.textgen.TextGenerator.stream`): speculative, and plain decoding's
+    tokens_per_s: float | None = None
+    plain_tokens_per_s: float | None = None
 
     @property
     def accepted_length(self) -> float:
         return self.tokens / self.row_rounds if self.row_rounds else float("nan")
+
+    def cost_warning(self) -> str | None:
+        """Why speculation did not pay, where it did not: the drafts (almost) never accepted
+        (accepted length below MIN_ACCEPTED_LENGTH: each round pays the drafter and a verification
+        for about one token), or speculative decoding measured slower than plain decoding.  None
+        when neither holds."""
+        if not self.row_rounds:
+            return None
+        L = self.accepted_length
+        why = []
+        if self.tokens_per_s and self.plain_tokens_per_s and self.tokens_per_s < self.plain_tokens_per_s:
+            why.append(f"speculative decoding ran at {self.tokens_per_s:.1f} tokens/s, plain decoding at "
+                       f"{self.plain_tokens_per_s:.1f} tokens/s ({self.tokens_per_s / self.plain_tokens_per_s:.2f}x)")
+        if L < MIN_ACCEPTED_LENGTH:
+            why.append(f"the drafts were (almost) never accepted ({self.accepted_drafts} of {self.verified_drafts}; "
+                       f"accepted length {L:.2f}): every round pays the drafter and a verification for about one "
+                       "token")
+        if not why:
+            return None
+        return "speculation costs more than it saves here: " + "; ".join(why) + \
+            ": decode without --drafter, or train the drafter for this target longer"
 
     @property
     def position_acceptance(self) -> list[float]:
@@ -571,7 +597,7 @@ class SpecStats:
         return {"rounds": self.rounds, "row_rounds": self.row_rounds, "tokens": self.tokens,
                 "accepted_drafts": self.accepted_drafts, "verified_drafts": self.verified_drafts,
                 "accepted_length": self.accepted_length, "position_acceptance": self.position_acceptance,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "plain_tokens_per_s": self.plain_tokens_per_s}
 
 
 def _streams(generator: torch.Generator | None, device: torch.device) -> tuple[torch.Generator, torch.Generator]:

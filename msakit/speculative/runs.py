@@ -23,13 +23,15 @@ from msakit.speculative.config import DSparkConfig
 from msakit.speculative.drafter import DSparkDrafter
 from msakit.speculative.train import DrafterTrainConfig, DrafterTrainer, mix_streams, regenerate_pool
 from msakit.train.data import PackedRows, TokenStream
-from msakit.train.folders import check_context, check_new_out, folder_kind, loading, model_folder, new_run_dir
+from msakit.train.folders import (check_context, check_new_out, folder_kind, loading, model_folder, new_run_dir,
+                                  resume_dir)
 from msakit.train.runs import DEFAULT_CONTEXT, DataOptions, Log, open_resume, prepare, say
 from msakit.train.tokenizer import Tokenizer
 
 __all__ = ["DrafterRun", "RegenPool", "drafter_config", "load_target", "resume_drafter_run", "target_folder",
            "train_drafter_run", "POOL_FILE"]
 
+DRAFTER_COMMAND = "train-drafter"  # the command whose runs these are (the run folder's marker)
 POOL_FILE = "regen_pool.npz"  # OUT/regen_pool.npz: the target-written rows of a run with a pool
 
 
@@ -125,7 +127,7 @@ def train_drafter_run(out: Path, target: str | Path, *, train: DrafterTrainConfi
     target's tokenizer (or `tokenizer`), with `regen_pool` rows written by the target mixed in;
     `time_budget` fits the steps into that many seconds."""
     out = Path(out)
-    check_new_out(out, "drafter run")
+    check_new_out(out)
     target_path = Path(target)
     folder = target_folder(target_path)
     model = load_target(folder, device)
@@ -148,7 +150,7 @@ def train_drafter_run(out: Path, target: str | Path, *, train: DrafterTrainConfi
             raise ValueError(f"--regen-prompt-tokens must be in [1, context={data.context}), got {n}")
     if regen_pool:
         meta["regen_pool"] = dataclasses.asdict(regen_pool)
-    with new_run_dir(out, "drafter run"):  # a fresh run that fails before its first checkpoint leaves nothing behind
+    with new_run_dir(out, DRAFTER_COMMAND):  # a fresh run that fails before its first checkpoint leaves nothing behind
         pd = prepare(data, tokenizer=tok, cache_dir=cache_dir, log=log)
         torch.manual_seed(train.seed)
         drafter = DSparkDrafter(dcfg)
@@ -165,8 +167,17 @@ def resume_drafter_run(out: Path, *, target: str | Path | None = None, checkpoin
                        time_budget: float | None = None, log: Log = say) -> DrafterRun | None:
     """Continue a drafter run from `checkpoint` (default: run folder `out`'s latest) with its
     recorded target (`target` where it records none), data and settings, to `steps` (default: its
-    own).  None when the run has already reached its steps."""
+    own).  None when the run has already reached its steps.  `out` is held (its marker must name
+    a drafter run) while the run continues."""
     out = Path(out)
+    with resume_dir(out, checkpoint, DRAFTER_COMMAND, (DRAFTER_COMMAND,)):
+        return _resume(out, target=target, checkpoint=checkpoint, steps=steps, tokenizer=tokenizer, device=device,
+                       cache_dir=cache_dir, progress=progress, time_budget=time_budget, log=log)
+
+
+def _resume(out: Path, *, target: str | Path | None, checkpoint: Path | None, steps: int | None,
+            tokenizer: str | Path | None, device: torch.device | str, cache_dir: str | None, progress: bool,
+            time_budget: float | None, log: Log) -> DrafterRun | None:
     point = open_resume(out, checkpoint, DrafterTrainConfig.from_dict, steps=steps, drafter=True, log=log)
     if point is None:
         return None

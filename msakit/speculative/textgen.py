@@ -11,6 +11,7 @@ HF model needs converting first) before anything is loaded.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -80,11 +81,13 @@ class TextGenerator:
 
     def stream(self, prompt: str, out: TextIO | None = None, *, max_new_tokens: int = 200, temperature: float = 0.8,
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-               mode: str = "sparse") -> SpecStats | None:
+               mode: str = "sparse", compare: bool = True) -> SpecStats | None:
         """Write `prompt` and then its sampled continuation (up to `max_new_tokens` tokens, ending
         at the end-of-text token) to `out` (default stdout) as it is produced, then a newline;
         `mode` is the attention mode ("sparse" / "dense").  An empty prompt starts a new document.
-        Returns the speculative decoding statistics (None without a drafter)."""
+        Returns the speculative decoding statistics (None without a drafter), with its decoding
+        speed after the first token and, with `compare`, plain decoding's speed on the same prompt
+        (PROBE_TOKENS tokens, not written), for `SpecStats.cost_warning`."""
         out = out if out is not None else sys.stdout
         model, tok, device = self.model, self.tokenizer, self.device
         model.set_attention_mode(mode)
@@ -104,12 +107,48 @@ class TextGenerator:
                 generate(model, x, max_new_tokens, streamer=streamer, **sample,
                                **({"compile": True} if self.compile else {}))
             else:
+                clock = _Clock()
+
                 def push_rows(rows: list[list[int]]) -> None:
+                    clock.tick(len(rows[0]))
                     for t in rows[0]:
                         streamer.push(int(t))
 
                 _, stats = speculative_generate(model, self.drafter, x, max_new_tokens, streamer=push_rows,
                                                 return_stats=True, **sample)
+                stats.tokens_per_s = clock.rate()
         out.write("\n")
         out.flush()
+        if stats is not None and compare and stats.tokens_per_s:
+            stats.plain_tokens_per_s = self._plain_rate(x, min(max_new_tokens, PROBE_TOKENS), temperature=temperature,
+                                                        top_k=top_k, top_p=top_p, seed=seed)
         return stats
+
+    def _plain_rate(self, x: torch.Tensor, n: int, **sampling: Any) -> float | None:
+        """Plain decoding's tokens per second after the first of `n` tokens from prompt `x` [1, T]."""
+        clock = _Clock()
+        gen = torch.Generator(device="cpu").manual_seed(sampling.pop("seed"))
+        with torch.no_grad(), autocast_for(self.device):
+            generate(self.model, x, n, streamer=lambda t: clock.tick(1), generator=gen, **sampling)
+        return clock.rate()
+
+
+PROBE_TOKENS = 16  # plain decoding's tokens timed to compare speculative decoding with
+
+
+class _Clock:
+    """The times of a streamer's calls and the tokens each brought: the decoding speed after the
+    first call (the prefill excluded)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.counts: list[int] = []
+
+    def tick(self, n: int) -> None:
+        self.times.append(time.perf_counter())
+        self.counts.append(n)
+
+    def rate(self) -> float | None:
+        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+            return None
+        return sum(self.counts[1:]) / (self.times[-1] - self.times[0])

@@ -12,11 +12,14 @@
    expert load balance; a generated sample;
 5. ``runs/demo/``: report.md, metrics.jsonl, loss.png, recall.png, the checkpoint and tokenizer.
 
-``--out`` must be new, empty, or an earlier demo's output (its ``.msakit-demo.json`` lists what
-the demo wrote there, and nothing else is in it); anything else is refused before any work, so no
-user file is ever replaced.  The run is written into a temporary folder (beside a new ``--out`` or
-inside an empty one) and moved into place at the end; a failed, interrupted (Ctrl-C) or terminated
-(SIGTERM, through ``msakit.cli``) demo removes it and leaves ``--out`` as it was.
+``--out`` must be new, empty, or an earlier demo's output (its run-folder marker,
+``.msakit-run.json`` of `msakit.run_folder`, names the demo and lists what it wrote there, and
+nothing else is in it); anything else is refused before any work, so no user file is ever
+replaced.  While the demo runs it holds ``--out`` (created if missing) by the run folders' lock,
+so a second command on the same folder is refused.  The run is written into a temporary folder
+(beside an earlier demo's output, or inside a new or empty ``--out``) and moved into place at the
+end; a failed, interrupted (Ctrl-C) or terminated (SIGTERM, through ``msakit.cli``) demo removes
+it and leaves ``--out`` as it was.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from msakit.generate import generate
 from msakit.models import M3Config, M3ForCausalLM
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.data import eval_batches, prepare_data
-from msakit.train.folders import check_context, first_missing_ancestor
+from msakit.run_folder import LOCK, MARKER, FolderLock, first_missing_ancestor, write_marker
+from msakit.train.folders import check_context
 from msakit.train.jsonl import append_metrics
 from msakit.train.metrics import autocast_for
 from msakit.train.plots import write_plots
@@ -58,7 +62,8 @@ BAR = 0.03
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 
 
-DEMO_MARKER = ".msakit-demo.json"
+DEMO_MARKER = MARKER  # the run folders' marker: {"command": "demo", "files": [...], ...}
+OLD_DEMO_MARKER = ".msakit-demo.json"  # what earlier versions wrote: {"files": [...]}
 
 
 def _plan_steps(hist: list[dict], remaining: float, ncal: int, prof: dict, max_steps: int) -> tuple[int, int, dict]:
@@ -89,7 +94,9 @@ def run_demo(*, preset: str = "tiny", out: str | Path = "runs/demo", device: str
     or folders to the corpus, `prompt` starts the sample.  Returns what the report states (the
     final record under "final", the sample, timings)."""
     t_start = time.time()
-    prof = dict(PROFILES[preset])
+    if preset not in PROFILES:
+        raise ValueError(f"--preset must be one of {', '.join(PROFILES)}, got {preset!r}")
+    prof = PROFILES[preset]
     budget = float(budget if budget is not None else prof["budget_s"])
     if not budget > 0:
         raise ValueError(f"--budget must be positive, got {budget}")
@@ -102,6 +109,34 @@ def run_demo(*, preset: str = "tiny", out: str | Path = "runs/demo", device: str
         torch.set_num_threads(threads)
     out = Path(out)
     mode = output_mode(out)  # refuses a folder that holds anything but an earlier demo's output
+    created = None
+    if mode == "new":  # created now, so that the demo holds it while it runs
+        created = first_missing_ancestor(out)
+        out.mkdir(parents=True)
+        mode = "empty"
+    try:
+        lock = FolderLock.acquire(out, "demo")
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    try:
+        if output_mode(out) != mode:
+            raise ValueError(f"--out {out} changed as the demo started; choose another --out")
+        return _run_demo(preset, out, mode, device, budget, steps, data, prompt, seed, threads, cache_dir, progress,
+                         t_start)
+    except BaseException:
+        lock.release()  # before its folder goes
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
+        lock.release()
+
+
+def _run_demo(preset: str, out: Path, mode: str, device, budget: float, steps: int | None, data, prompt: str,
+              seed: int, threads: int | None, cache_dir: str | None, progress: bool, t_start: float) -> dict[str, Any]:
+    prof = dict(PROFILES[preset])
     log = lambda msg: print(msg, flush=True)  # noqa: E731
 
     torch.manual_seed(seed)
@@ -136,13 +171,10 @@ def run_demo(*, preset: str = "tiny", out: str | Path = "runs/demo", device: str
         f"MSA block {mcfg.index_block_size} top-{mcfg.index_topk_blocks} at context {T}, {E} experts top-{k_act}")
 
     # 3. train -----------------------------------------------------------------------------------
-    created = None
     if mode == "empty":
         work = Path(tempfile.mkdtemp(dir=out, prefix=".demo-tmp-"))
-    else:
+    else:  # beside the earlier output it replaces
         parent = Path(os.path.abspath(out)).parent
-        created = first_missing_ancestor(parent)
-        parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(dir=parent, prefix=f".{Path(os.path.abspath(out)).name}-tmp-"))
     os.chmod(work, 0o777 & ~_umask())
     try:
@@ -245,8 +277,6 @@ def run_demo(*, preset: str = "tiny", out: str | Path = "runs/demo", device: str
         move_into_place(work, out, mode)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
         raise
     return info
 
@@ -265,13 +295,18 @@ class _NullStream:
         pass
 
 
-def _demo_files(out: Path) -> set[str] | None:
-    """The entries an earlier demo wrote into `out` (from its marker), None if it has no marker."""
-    try:
-        names = json.loads((out / DEMO_MARKER).read_text(encoding="utf-8")).get("files")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return {str(n) for n in names} if isinstance(names, list) else None
+def _demo_files(out: Path) -> tuple[set[str], str] | None:
+    """The entries an earlier demo wrote into `out` and the name of its marker (the run folders'
+    marker naming the demo, or an earlier version's), None if it has no demo's marker."""
+    for name in (DEMO_MARKER, OLD_DEMO_MARKER):
+        try:
+            d = json.loads((out / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        names = d.get("files") if isinstance(d, dict) else None
+        if isinstance(names, list) and d.get("command", "demo") == "demo":
+            return {str(n) for n in names}, name
+    return None
 
 
 def output_mode(out: Path) -> str:
@@ -281,12 +316,13 @@ def output_mode(out: Path) -> str:
         return "new"
     if not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK)
     if not entries:
         return "empty"
-    listed = _demo_files(out)
-    if listed is None or not set(entries) <= listed | {DEMO_MARKER}:
-        extra = [e for e in entries if listed is None or e not in listed | {DEMO_MARKER}]
+    found = _demo_files(out)
+    listed = found[0] | {found[1]} if found else set()
+    if not found or not set(entries) <= listed:
+        extra = [e for e in entries if e not in listed]
         n = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
         raise ValueError(f"--out {out} is not empty and not an earlier demo's output ({n}, e.g. {extra[0]!r}); "
                          "choose another --out or empty it")
@@ -299,9 +335,9 @@ def output_mode(out: Path) -> str:
 def move_into_place(work: Path, out: Path, mode: str) -> None:
     """Publish the finished run in `work` as `out` (see `output_mode`)."""
     files = sorted(p.name for p in work.iterdir())
-    (work / DEMO_MARKER).write_text(json.dumps({"files": files}) + "\n", encoding="utf-8")
+    write_marker(work, "demo", {"files": files})
     if mode == "empty":  # work lies inside out
-        if any(p.name != work.name for p in out.iterdir()):
+        if any(p.name not in (work.name, LOCK) for p in out.iterdir()):
             raise ValueError(f"--out {out} changed while the demo ran; the run is discarded")
         for name in files + [DEMO_MARKER]:
             os.rename(work / name, out / name)

@@ -1,9 +1,11 @@
 """Run folders and model folders: what a run may write into, what a folder holds, loading and
 saving models with their tokenizers.
 
-A fresh run writes only into an empty or new folder (`new_run_dir`); when it fails or is
-interrupted before its first complete checkpoint, what it wrote is removed again, so the same run
-can simply be started again.  Every problem with a folder (missing, not empty, corrupt, the wrong
+A fresh run writes only into an empty or new folder (`new_run_dir`, through
+`msakit.run_folder.claim`: the folder is marked with the command and locked while the run
+lasts); when it fails or is interrupted before its first complete checkpoint, what it wrote is
+removed again, so the same run can simply be started again.  A resumed run takes only a folder
+marked by a command it continues (`resumed_run_dir`).  Every problem with a folder (missing, not empty, corrupt, the wrong
 kind) is raised as ValueError / FileNotFoundError (`CheckpointError` is a ValueError) before
 anything is written.
 """
@@ -15,10 +17,11 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator, Sequence
 
 from msakit.models.adapters import MSA_PREFIX, find_family
 from msakit.models.convert import load_for_conversion
+from msakit.run_folder import RunClaim, check_fresh, claim
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.tokenizer import Tokenizer
 from msakit.train.trainer import SHARDED_DIR
@@ -27,6 +30,9 @@ MODEL_DIR = "model"  # RUN/model: the converted model at the end of a conversion
 
 
 # ----------------------------------------------------------------------------- run folders
+TRAIN_COMMANDS = ("train", "convert")  # the commands whose runs `msakit train/convert --resume` continue
+
+
 def holds_checkpoint(out: Path) -> bool:
     """Whether run folder `out` holds a checkpoint: a complete one under checkpoints/, or any
     sharded (multi-rank) one."""
@@ -34,65 +40,41 @@ def holds_checkpoint(out: Path) -> bool:
     return ckpt_mod.find_checkpoint(out) is not None or (sharded.is_dir() and any(sharded.iterdir()))
 
 
-def check_new_out(out: Path, what: str = "run") -> None:
-    """ValueError unless `out` is missing or an empty folder (nothing is ever overwritten)."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    entries = sorted(p.name for p in out.iterdir())
-    if not entries:
-        return
-    if holds_checkpoint(out):
-        raise ValueError(f"{out} already holds a {what}; pass --resume to continue it or choose another --out")
-    n = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
-    raise ValueError(f"--out {out} is not empty ({n}, e.g. {entries[0]!r}) and holds no complete "
-                     "checkpoint to resume; choose another --out or empty it")
+def check_new_out(out: Path) -> None:
+    """RunFolderError unless `out` may take a fresh run (`msakit.run_folder.check_fresh`: missing
+    or empty, held by no other process); a folder with a checkpoint but no marker is a run too."""
+    check_fresh(out, legacy=holds_checkpoint)
 
 
-def first_missing_ancestor(path: Path) -> Path | None:
-    """The topmost of `path` and its parents that does not exist (what creating `path` creates)."""
-    p = Path(os.path.abspath(path))
-    top = None
-    while not p.exists():
-        top = p
-        if p.parent == p:
-            break
-        p = p.parent
-    return top
+def new_run_dir(out: Path, command: str) -> ContextManager[RunClaim]:
+    """A fresh run of `command` in `out` (`msakit.run_folder.claim`: refused unless missing or
+    empty; marked and locked while it runs); when the body fails or is interrupted before a
+    checkpoint exists, everything the run wrote is removed."""
+    return claim(out, command, legacy=holds_checkpoint, keep=holds_checkpoint)
 
 
-def remove_created(out: Path, created: Path | None) -> None:
-    """Undo a fresh run's writes: remove `created` (the folders the run created) or, when `out`
-    already existed (empty), everything inside it."""
-    if created is not None:
-        shutil.rmtree(created, ignore_errors=True)
-    elif out.is_dir():
-        for e in out.iterdir():
-            if e.is_dir() and not e.is_symlink():
-                shutil.rmtree(e, ignore_errors=True)
-            else:
-                e.unlink(missing_ok=True)
-
-
-@contextmanager
-def new_run_dir(out: Path, what: str = "run") -> Iterator[None]:
-    """A fresh run in `out` (refused unless missing or empty); when the body fails or is
-    interrupted before a checkpoint exists, everything the run wrote is removed."""
-    check_new_out(out, what)
-    created = first_missing_ancestor(out)
-    try:
-        yield
-    except BaseException:
-        if not holds_checkpoint(out):
-            remove_created(out, created)
-        raise
+def resumed_run_dir(out: Path, command: str, accepts: Sequence[str]) -> ContextManager[RunClaim]:
+    """Continuing the run in `out` (`msakit.run_folder.claim` with resume: its marker must name one
+    of `accepts`; a folder holding a checkpoint but no marker is taken as such a run); locked
+    while it runs."""
+    return claim(out, command, resume=True, accepts=accepts, legacy=holds_checkpoint)
 
 
 def run_folder_of(ckpt: Path) -> Path:
     """The run folder a checkpoint lies in (``RUN/checkpoints/step-N`` -> RUN), else its folder."""
     ck = Path(ckpt)
     return ck.parent.parent if ck.parent.name == ckpt_mod.CKPT_DIR else ck.parent
+
+
+def resume_dir(out: Path, checkpoint: Path | None, command: str, accepts: Sequence[str]) -> ContextManager[RunClaim]:
+    """The claim of a resumed run's folder `out`: the run's own folder (`checkpoint` None, or one
+    of `out`'s checkpoints) is continued (`resumed_run_dir`); a checkpoint of another folder is
+    continued into `out` as a fresh run (`new_run_dir`: a new or empty folder)."""
+    if checkpoint is not None:
+        ck = ckpt_mod.resolve_checkpoint(checkpoint)
+        if os.path.abspath(run_folder_of(ck)) != os.path.abspath(out):
+            return new_run_dir(out, command)
+    return resumed_run_dir(out, command, accepts)
 
 
 # ----------------------------------------------------------------------------- model folders

@@ -104,7 +104,7 @@ def load_balance(expert_load: torch.Tensor | None) -> list[float]:
     return [float(x) for x in (el.amax(dim=-1) / mean).cpu()]
 
 
-def _msa_configs(model) -> list:
+def msa_selections(model) -> list:
     """The selection settings (`Selection`) of each MSA layer, in layer order."""
     if isinstance(model, MSAWrappedModel):  # a converted HF model: one setting for all layers
         return [model.msa_config.selection] * max(len(model.settings.layers or []), 1)
@@ -115,7 +115,7 @@ def layer_metrics(model, attn_inputs: Sequence[dict | None] | None) -> list[dict
     """Per MSA layer: KL(P || P_idx) over the indexer's selection and recall vs the oracle."""
     if not attn_inputs:
         return []
-    cfgs = _msa_configs(model)
+    cfgs = msa_selections(model)
     out = []
     j = 0
     for li, d in enumerate(attn_inputs):

@@ -31,8 +31,10 @@ from msakit.models.convert import convert_dense_to_msa
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.corpus import DEFAULT_LONG_MIN_TOKENS, DEFAULT_VAL_FRACTION
 from msakit.train.data import PreparedData, prepare_data
-from msakit.train.folders import (MODEL_DIR, check_context, check_new_out, check_vocab, folder_kind, load_model_folder,
-                                  model_folder, new_run_dir, run_folder_of, save_model_folder, tokenizer_beside)
+from msakit.train.folders import (MODEL_DIR, TRAIN_COMMANDS, check_context, check_new_out, check_vocab, folder_kind,
+                                  load_model_folder, model_folder, new_run_dir, resume_dir, save_model_folder,
+                                  tokenizer_beside)
+from msakit.train.metrics import msa_selections
 from msakit.train.tokenizer import Tokenizer
 from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, config_from_dict, read_metrics
 
@@ -236,6 +238,31 @@ def model_line(trainer: Trainer) -> str:
             f"{trainer.train_rows.context} tokens")
 
 
+def dense_selection_note(trainer: Trainer) -> str | None:
+    """The note for a run whose sparse steps are dense in fact: every MSA layer's selection keeps
+    every block of the run's context (`Selection.covers`), so "sparse" attention attends every
+    key.  None when the run has no sparse steps or a selection that selects."""
+    c, context = trainer.cfg, trainer.train_rows.context
+    if c.train == "index" or c.dense_warmup_steps >= c.steps:
+        return None
+    sels = msa_selections(trainer.model)
+    if not sels or not all(s.covers(context) for s in sels):
+        return None
+    s = sels[0]
+    return (f"note: the selection (top-{s.topk} blocks of {s.block_size} = {s.keys} tokens) covers the whole "
+            f"context of {context} tokens: the sparse steps attend every key, the same as dense attention; a "
+            f"context longer than {s.keys} tokens (or a smaller top-k / block) makes them sparse")
+
+
+def describe_run(trainer: Trainer, log: Log) -> None:
+    """Say the model and the run's plan (`model_line`), and once, where it applies, that its
+    sparse attention is dense (`dense_selection_note`)."""
+    log(model_line(trainer))
+    note = dense_selection_note(trainer)
+    if note:
+        log(note)
+
+
 @dataclass
 class RunResult:
     """A finished (or stopped) run: its trainer and, for a conversion run, the model folder saved
@@ -278,7 +305,7 @@ def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str |
         check_fits(config_params(cfg0), device)
     if ready is not None:
         ready()
-    with new_run_dir(out) if main_rank else contextlib.nullcontext():
+    with new_run_dir(out, "train") if main_rank else contextlib.nullcontext():
         with rank0_first(parallel):  # rank 0 trains the tokenizer / fills the cache first
             pd = prepare(data, tokenizer=tok, cache_dir=cache_dir, log=log)
         tok = pd.tokenizer
@@ -293,7 +320,7 @@ def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str |
                           activation_checkpointing=activation_checkpointing)
         if main_rank:
             tok.save(out)
-            log(model_line(trainer))
+            describe_run(trainer, log)
         trainer.fit()
     if main_rank:
         log(summary_line(trainer, t0))
@@ -342,7 +369,7 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
     if ready is not None:
         ready()
     say_ = log if main_rank else _quiet
-    with new_run_dir(out) if main_rank else contextlib.nullcontext():
+    with new_run_dir(out, "convert") if main_rank else contextlib.nullcontext():
         with rank0_first(parallel):  # rank 0 fills the data cache first
             pd = prepare(data, tokenizer=tok, cache_dir=cache_dir, log=log)
         meta = {"kind": "convert", "data": data.to_dict(), "source": str(source), "dtype": dtype,
@@ -361,7 +388,7 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
             plan = f"indexer warm-up (dense) for {train.dense_warmup_steps} steps, then sparse to step {train.steps}"
         say_(f"converted {folder}: validation loss dense {before_d:.3f}, sparse with the untrained indexer "
              f"{before_s:.3f}; {plan}")
-        say_(model_line(trainer))
+        describe_run(trainer, say_)
         trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
     ev = trainer.last_eval or {}
     if ev.get("step") == trainer.step and "val_loss_dense" in ev and "val_loss_sparse" in ev:
@@ -381,16 +408,14 @@ def open_resume(out: Path, checkpoint: Path | None, parse_config: Callable[[dict
     """The checkpoint to continue a run from (`checkpoint`, or run folder `out`'s latest;
     verified), its trainer state and its config (by `parse_config`) with `steps` applied; None,
     after saying so, when the run has already reached its steps.  A drafter checkpoint is refused
-    unless `drafter`, and the other way round; continuing into another folder than the
-    checkpoint's run needs a new or empty `out`."""
+    unless `drafter`, and the other way round.  The caller holds `out` (`msakit.train.folders.
+    resume_dir`: the run's own folder, or a new or empty one for another folder's checkpoint)."""
     ck = ckpt_mod.resolve_checkpoint(out if checkpoint is None else checkpoint)
     state, _, _, _ = ckpt_mod.load_checkpoint_state(ck)  # verifies the manifest
     is_drafter = state.get("kind") == "dspark-drafter"
     if is_drafter != drafter:
         raise ckpt_mod.CheckpointError(f"{ck} is a drafter checkpoint; resume it with `msakit train-drafter --resume`"
                                        if is_drafter else f"{ck} is not a drafter checkpoint")
-    if os.path.abspath(run_folder_of(ck)) != os.path.abspath(out):
-        check_new_out(out)  # continuing into another folder: a new, empty one
     cfg = parse_config(state["config"])
     step = int(state["step"])
     if steps is not None:
@@ -407,14 +432,24 @@ def open_resume(out: Path, checkpoint: Path | None, parse_config: Callable[[dict
 def resume_run(out: Path, *, checkpoint: Path | None = None, steps: int | None = None,
                device: torch.device | str = "cpu", compile: bool = False, activation_checkpointing: bool = False,
                max_tokens: int | None = None, time_budget: float | None = None, cache_dir: str | None = None,
-               progress: bool = True, log: Log = say) -> RunResult | None:
+               progress: bool = True, log: Log = say, command: str = "train") -> RunResult | None:
     """Continue a training or conversion run from `checkpoint` (default: run folder `out`'s
     latest) with its recorded data order and settings, to `steps` (default: its own); how it runs
     (`device`, `compile`, `activation_checkpointing`, `max_tokens`, `time_budget`) may change.
     None when the run has already reached its steps.  A conversion run saves its model in
-    OUT/model again at the end."""
-    t0 = time.time()
+    OUT/model again at the end.  `out` is held for `command` (its marker must name a training or
+    conversion run, `TRAIN_COMMANDS`) while the run continues."""
     out = Path(out)
+    with resume_dir(out, checkpoint, command, TRAIN_COMMANDS):
+        return _resume_run(out, checkpoint=checkpoint, steps=steps, device=device, compile=compile,
+                           activation_checkpointing=activation_checkpointing, max_tokens=max_tokens,
+                           time_budget=time_budget, cache_dir=cache_dir, progress=progress, log=log)
+
+
+def _resume_run(out: Path, *, checkpoint: Path | None, steps: int | None, device: torch.device | str, compile: bool,
+                activation_checkpointing: bool, max_tokens: int | None, time_budget: float | None,
+                cache_dir: str | None, progress: bool, log: Log) -> RunResult | None:
+    t0 = time.time()
     point = open_resume(out, checkpoint, TrainConfig.from_dict, steps=steps, log=log)
     if point is None:
         return None
@@ -435,7 +470,7 @@ def resume_run(out: Path, *, checkpoint: Path | None = None, steps: int | None =
     if not (out / "tokenizer.json").is_file():
         tok.save(out)
     log(f"resumed {ck} at step {trainer.step}")
-    log(model_line(trainer))
+    describe_run(trainer, log)
     trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
     log(summary_line(trainer, t0))
     return RunResult(trainer, save_model_folder(trainer.model, tok, out / MODEL_DIR) if conversion else None)

@@ -109,6 +109,8 @@ def _refusals(env, run_dir, drafter_run, tmp_path):
         (td + ["--context", "5000"], "max_position_embeddings"),
         (td + ["--context", "64", "--regen-pool", "4", "--regen-prompt-tokens", "64"], "--regen-prompt-tokens"),
         (td + ["--taps", "1,x"], "--taps"),
+        (td + ["--taps", ""], "--taps"),  # given empty: refused, not replaced by the default taps
+        (td + ["--taps", "1,,2"], "--taps"),
         (td + ["--regen-share", "0.3"], "--regen-pool only"),
         (["train-drafter", str(drafter_run), "--out", new, "--device", "cpu", *cache], "drafter"),
         (["train-drafter", str(run_dir), "--out", str(full), "--device", "cpu", *cache], "not empty"),

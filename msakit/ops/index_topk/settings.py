@@ -51,6 +51,11 @@ class Selection:
         """Keys each query attends at most: topk * block_size."""
         return self.topk * self.block_size
 
+    def covers(self, context: int) -> bool:
+        """Whether every query of a `context`-token sequence keeps all the blocks it sees (topk >=
+        the context's blocks): sparse attention is then exactly dense attention."""
+        return self.topk * self.block_size >= context
+
     def replace(self, **changes) -> "Selection":
         """A copy with some settings changed (checked again)."""
         return dataclasses.replace(self, **changes)
