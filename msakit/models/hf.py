@@ -66,7 +66,7 @@ from msakit.models.interface import (
     end_forward,
     index_parameters,
 )
-from msakit.models.io import manifest_entries
+from msakit.models.io import ModelFolderError, check_finite, manifest_entries
 from msakit.nn.attention import MSAConfig, index_projections
 from msakit.nn.core import attend, selection_info
 from msakit.nn.norm import GemmaRMSNorm
@@ -392,7 +392,9 @@ def load_hf_model(folder: str | os.PathLike[str], device: Any = None, dtype: tor
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32,
                                                        local_files_only=True, output_loading_info=True)
     if strict and info.get("missing_keys"):
-        raise ValueError(f"{folder}: weights missing from the checkpoint: {sorted(info['missing_keys'])[:6]}")
+        raise ModelFolderError(f"{folder}: weights missing from the checkpoint: {sorted(info['missing_keys'])[:6]}")
+    for name, t in model.state_dict().items():  # transformers loads the weights: refuse NaN / inf here
+        check_finite(name, t, folder)
     if device is not None:
         model.to(device)
     return model

@@ -131,9 +131,22 @@ class TrainConfig:
 
 
 def config_from_dict(cls: Any, d: dict) -> Any:
-    """A config dataclass from a dict, ignoring keys that are not its fields."""
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
+    """A config dataclass from a dict (a checkpoint's recorded settings), ignoring keys that are not
+    its fields.  ValueError naming the setting for a value whose type differs from its field's
+    default (an int, float, bool or str default; a float field also takes an int)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"the recorded {cls.__name__} is not an object: {d!r}")
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+    out = {}
+    for f in fields(cls):
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        want = kinds.get(type(f.default))
+        if want is not None and not (isinstance(v, want) and (bool in want or not isinstance(v, bool))):
+            raise ValueError(f"the recorded setting {f.name!r} must be {type(f.default).__name__}, got {v!r}")
+        out[f.name] = v
+    return cls(**out)
 
 
 def warmup_cosine(lr: float, min_lr_ratio: float, warmup: int, steps: int, step: int) -> float:
