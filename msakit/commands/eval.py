@@ -118,7 +118,6 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_eval_tokenizer(model_dir, args.tokenizer)
     log = lambda s: print(f"msakit eval: {s}", file=sys.stderr, flush=True)  # noqa: E731
     model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log)
-    log(f"loaded {model_dir} ({args.dtype}, {device})")
     with torch.inference_mode():
         run_eval(model, tokenizer, cfg, out, progress=not args.no_progress, log=log, model_name=str(model_dir))
     log(f"wrote {out / 'table.md'}, {out / 'summary.json'}, {out / 'plot.png'}")

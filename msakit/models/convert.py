@@ -27,8 +27,10 @@ from torch import nn
 from msakit.config_io import read_config_json
 from msakit.models.adapters import FamilyAdapter, find_family, supported_model_types
 from msakit.models.config import M3_MODEL_TYPES
-from msakit.models.hf import MSAWrappedModel, is_msa_folder, load_hf_model, normal_init
+from msakit.models.hf import (DEFAULT_BLOCK_SIZE, DEFAULT_TOPK, MSAWrappedModel, is_msa_folder, load_hf_model,
+                              normal_init)
 from msakit.models.io import ModelFolderError, reading
+from msakit.models.sizes import check_selection_fits, max_positions
 from msakit.models.modeling import M3ForCausalLM
 from msakit.nn.attention import INDEX_MODULES
 from msakit.nn.norm import GemmaRMSNorm
@@ -103,6 +105,9 @@ def convert_dense_to_msa(
         raise ValueError("the model already has MSA index branches (an MSAWrappedModel)")
     opts = dict(index_head_dim=index_head_dim, block_size=block_size, topk=topk,
                 local_blocks=local_blocks, init_blocks=init_blocks, layers=layers, seed=seed)
+    cfg = getattr(model, "config", None)
+    bs = block_size or getattr(cfg, "index_block_size", None) or DEFAULT_BLOCK_SIZE
+    check_selection_fits(bs, topk or getattr(cfg, "index_topk_blocks", None) or DEFAULT_TOPK, max_positions(cfg))
     if isinstance(model, M3ForCausalLM):
         if rotary_dim is not None and rotary_dim != model.config.rotary_dim:
             raise ValueError(f"rotary_dim={rotary_dim}: an M3 index branch uses the main branch's partial RoPE "

@@ -12,7 +12,8 @@ Loading accepts a ``language_model.`` prefix (the VL checkpoint's text tower) an
 vision / projector / MTP tensors of a VL checkpoint; any other missing, unexpected or
 mis-shaped tensor raises ValueError naming a few.  A single ``model.safetensors`` is written up
 to `max_shard_size`, above it ``model-0000k-of-0000n.safetensors`` shards plus
-``model.safetensors.index.json``; both forms are read.  Never pickle.
+``model.safetensors.index.json``; both forms are read, and so is a sharded DCP checkpoint of a
+run on several processes (`load_dcp_weights`).  Never pickle.
 
 Every problem with a model folder's files -- a truncated, empty, garbage or absurd-header
 safetensors file, an unreadable tokenizer.json, weights holding NaN or inf, tensors that do not fit
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -50,6 +52,8 @@ __all__ = [
     "save_weights",
     "save_tensors",
     "load_weights",
+    "is_dcp_folder",
+    "load_dcp_weights",
     "copy_tensors",
     "weight_files",
     "save_pretrained",
@@ -63,6 +67,7 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DCP_METADATA = ".metadata"  # what marks a torch.distributed.checkpoint folder
 _PREFIXES = ("language_model.",)
 # Tensors of a VL / MTP checkpoint that the text model does not hold: skipped on load.
 _SKIP = re.compile(r"^(vision_tower\.|visual\.|multi_modal_projector\.|patch_merge_mlp\.|mtp\.|model\.mtp\.|"
@@ -349,12 +354,39 @@ def copy_tensors(
     return absent
 
 
+def is_dcp_folder(folder: str | os.PathLike[str]) -> bool:
+    """Whether `folder` is a sharded `torch.distributed.checkpoint` (DCP) checkpoint (its .metadata)."""
+    return (Path(folder) / DCP_METADATA).is_file()
+
+
+@torch.no_grad()
+def load_dcp_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """The model's weights from a DCP checkpoint (``{"model": state dict by parameter name}``, saved
+    on any number of ranks; `msakit.distributed.checkpoint.save_sharded`) into an unsharded
+    model, on one process without a process group (DCP reshards on load).  ModelFolderError
+    naming the folder for a damaged checkpoint, one that does not fit the model or NaN / inf."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with reading(folder, "the sharded checkpoint"), warnings.catch_warnings():
+        # one process without a process group is this function's purpose, not a surprise worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": sd}, checkpoint_id=str(folder), no_dist=True)
+    for name, t in sd.items():
+        check_finite(name, t, folder)
+    model.load_state_dict(sd)
+
+
 def load_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
-    """Copy a checkpoint's tensors into the model's parameters (dtype converted, in place).
+    """Copy a checkpoint's tensors into the model's parameters (dtype converted, in place): a
+    safetensors folder, or a sharded DCP checkpoint (`load_dcp_weights`).
 
     Raises ModelFolderError listing missing, unexpected or mis-shaped tensors before copying any,
     or naming a damaged file or a tensor holding NaN / inf.
     """
+    if is_dcp_folder(folder):
+        load_dcp_weights(model, folder)
+        return
     copy_tensors(folder, dict(hf_state_items(model)))
 
 

@@ -16,6 +16,11 @@ file against the manifest (a missing, extra-modified or corrupt file is a `Check
 the form of what a resume reads before anything uses it: trainer_state.json's fields and their types
 (`check_trainer_state`), rng.safetensors' tensors (`check_rng_tensors`), the optimizer files.
 `CheckpointError` is a `msakit.models.io.ModelFolderError`: one error type for every damaged folder.
+
+A run on several processes writes sharded DCP checkpoints instead (``<run>/sharded/step-N``:
+`msakit.distributed.checkpoint`, its trainer state in state.json, no RNG file, the optimizer
+inside the shards); `find_checkpoint` returns the newest complete checkpoint of either kind, so a
+run folder is resumed, loaded, exported the same way whichever wrote it.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from msakit.distributed.checkpoint import STATE_FILE, is_sharded_checkpoint, read_state
 from msakit.models.io import ModelFolderError, reading
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 CKPT_DIR = "checkpoints"
+SHARDED_DIR = "sharded"  # DCP checkpoints of runs on several ranks: <run>/sharded/step-N, <run>/sharded/latest
 FORMAT = "msakit-train-checkpoint-v1"
 
 
@@ -56,10 +63,10 @@ def _is(v: Any, kinds: tuple) -> bool:
     return isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
 
 
-def check_trainer_state(state: Any, path: Path) -> dict:
+def check_trainer_state(state: Any, path: Path, *, rng: bool = True) -> dict:
     """`state` (trainer_state.json, at `path`) if it holds what a resume reads, of the right types
-    (step, config, loader, rng, optional meta and tokens_seen); CheckpointError naming the file and
-    the field otherwise."""
+    (step, config, loader, rng unless not `rng` (a sharded checkpoint's state.json), optional meta
+    and tokens_seen); CheckpointError naming the file and the field otherwise."""
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: {what}; the checkpoint is damaged")
 
@@ -68,7 +75,7 @@ def check_trainer_state(state: Any, path: Path) -> dict:
     step = state.get("step")
     if not _is(step, _INT) or step < 0:
         raise bad(f"'step' must be a non-negative integer, got {step!r}")
-    for key in ("config", "loader", "rng"):
+    for key in ("config", "loader", "rng") if rng else ("config", "loader"):
         if not isinstance(state.get(key), dict):
             raise bad(f"'{key}' is missing or not an object" if key not in state else f"'{key}' is not an object")
     for key in ("meta",):
@@ -81,6 +88,8 @@ def check_trainer_state(state: Any, path: Path) -> dict:
         if not _is(v, kinds) or (kinds is _INT and v < 0):
             raise bad(f"'loader.{key}' must be {'a non-negative integer' if kinds is _INT else kinds[0].__name__}, "
                       f"got {v!r}")
+    if not rng:
+        return state
     py, npy = state["rng"].get("python"), state["rng"].get("numpy")
     if not (isinstance(py, list) and len(py) == 3 and _is(py[0], _INT) and isinstance(py[1], list)
             and len(py[1]) == _MT_WORDS + 1 and all(_is(x, _INT) and 0 <= x < 2**32 for x in py[1])
@@ -350,11 +359,47 @@ def _prune(root: Path, keep: int, current: str) -> None:
             shutil.rmtree(root / n, ignore_errors=True)
 
 
+def _step_of(ck: Path) -> int:
+    try:
+        return int(ck.name.rpartition("-")[2])
+    except ValueError:
+        return -1
+
+
+def _sharded_complete(ck: Path) -> bool:
+    return is_sharded_checkpoint(ck) and (ck / STATE_FILE).is_file() and (ck / "config.json").is_file()
+
+
+def find_sharded_checkpoint(path: str | os.PathLike) -> Path | None:
+    """A sharded (DCP) checkpoint folder itself, or the newest complete one under <run>/sharded
+    (its `latest`, else the highest step); None when there is none."""
+    p = Path(path)
+    if is_sharded_checkpoint(p):
+        return p
+    root = p / SHARDED_DIR
+    lp = root / LATEST
+    if lp.is_file() and (name := lp.read_text().strip()) and _sharded_complete(root / name):
+        return root / name
+    steps = sorted((c for c in root.glob("step-*") if _sharded_complete(c)), key=_step_of) if root.is_dir() else []
+    return steps[-1] if steps else None
+
+
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
-    """A checkpoint folder (has manifest.json), or a run folder / checkpoints folder -> its latest."""
+    """A checkpoint folder (manifest.json, or a sharded DCP checkpoint), or a run folder /
+    checkpoints folder -> its newest complete checkpoint: the higher step of the single-file one
+    under checkpoints/ and the sharded one under sharded/ (a run resumed on another number of
+    processes writes the other kind)."""
     p = Path(path)
     if (p / MANIFEST).is_file():
         return p
+    single = _find_single(p)
+    sharded = find_sharded_checkpoint(p)
+    if sharded is not None and (single is None or _step_of(sharded) > _step_of(single)):
+        return sharded
+    return single
+
+
+def _find_single(p: Path) -> Path | None:
     for root in (p / CKPT_DIR, p):
         lp = root / LATEST
         if lp.is_file():
@@ -382,6 +427,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def verify_checkpoint(ckpt: str | os.PathLike) -> dict:
     """Check every file against the manifest; return the manifest.  Raises CheckpointError."""
     ck = Path(ckpt)
+    if is_sharded_checkpoint(ck):  # DCP keeps no hashes: check that it is complete
+        for f in (STATE_FILE, "config.json"):
+            if not (ck / f).is_file():
+                raise CheckpointError(f"sharded checkpoint {ck} is incomplete: {f} is missing")
+        return {"format": "dcp", "files": {}}
     try:
         manifest = json.loads((ck / MANIFEST).read_text())
     except FileNotFoundError:
@@ -405,6 +455,10 @@ def load_checkpoint_state(ckpt: str | os.PathLike) -> tuple[dict, dict[str, torc
 
     ck = Path(ckpt)
     verify_checkpoint(ck)
+    if is_sharded_checkpoint(ck):  # the RNG is reseeded per rank; the optimizer lies in the shards
+        with reading(ck / STATE_FILE, "JSON"):
+            state = read_state(ck)
+        return check_trainer_state(state, ck / STATE_FILE, rng=False), {}, None, None
 
     def read(name: str, what: str, load: Any) -> Any:
         path = ck / name

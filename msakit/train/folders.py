@@ -90,9 +90,10 @@ def new_run_dir(out: Path, what: str = "run") -> Iterator[None]:
 
 
 def run_folder_of(ckpt: Path) -> Path:
-    """The run folder a checkpoint lies in (``RUN/checkpoints/step-N`` -> RUN), else its folder."""
+    """The run folder a checkpoint lies in (``RUN/checkpoints/step-N``, ``RUN/sharded/step-N`` -> RUN),
+    else its folder."""
     ck = Path(ckpt)
-    return ck.parent.parent if ck.parent.name == ckpt_mod.CKPT_DIR else ck.parent
+    return ck.parent.parent if ck.parent.name in (ckpt_mod.CKPT_DIR, ckpt_mod.SHARDED_DIR) else ck.parent
 
 
 # ----------------------------------------------------------------------------- model folders
