@@ -186,7 +186,7 @@ def check_model(model: Any, policies: Sequence[str]) -> None:
 # memory one result record takes when the report reads results.jsonl (a parsed dict of ~15 fields)
 RECORD_BYTES = 2048
 # retrieval samples built at the shortest length to check that every one fits it
-LENGTH_CHECK_SAMPLES = 64
+LENGTH_CHECK_SAMPLES = 16
 
 
 def model_selection(model: Any) -> Selection | None:
