@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Iterator, Sequence
 
-from msakit.commands import convert, cost, demo, generate, train, train_drafter
+from msakit.commands import convert, cost, demo, export, generate, train, train_drafter
 from msakit.commands import eval as eval_
 
 
@@ -61,7 +61,7 @@ def one_line(text: object) -> str:
 
 
 # the sub-commands, in the order `msakit -h` lists them
-COMMANDS = (demo, train, convert, generate, eval_, train_drafter, cost)
+COMMANDS = (demo, train, convert, export, generate, eval_, train_drafter, cost)
 
 
 def build_parser() -> ArgumentParser:

@@ -58,6 +58,7 @@ __all__ = [
     "decode_read_ratio",
     "kv_cache_values_per_token",
     "kv_cache_bytes",
+    "activation_bytes",
     "expert_bytes_per_token",
     "context_row",
     "report",
@@ -526,6 +527,19 @@ def kv_cache_bytes(s: ModelShape, n: int, bytes_per_value: float = BF16_BYTES) -
 # --------------------------------------------------------------------------------------------
 # Expert bytes per token
 # --------------------------------------------------------------------------------------------
+
+
+def activation_bytes(s: ModelShape, tokens: int, *, backward: bool = False, bytes_per_value: float = 4.0) -> float:
+    """A lower bound of the activation memory of one forward over `tokens` tokens (batch x
+    length): the float32 logits [tokens, vocab] and two hidden states [tokens, hidden] in
+    `bytes_per_value`; with `backward`, also the logits' gradient and the hidden state every layer
+    keeps for the backward.  Attention scores, MLP intermediates and the KV cache are left out,
+    so a batch above this bound cannot fit, and one below it may still not."""
+    logits = float(tokens) * s.vocab_size * 4.0
+    hidden = float(tokens) * s.hidden_size * bytes_per_value
+    if not backward:
+        return logits + 2 * hidden
+    return 2 * logits + (s.num_layers + 2) * hidden
 
 
 def expert_bytes_per_token(s: ModelShape) -> dict[str, float]:

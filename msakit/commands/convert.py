@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     check_convert_options(args)
     parallel, device, main_rank = start_processes(args)
     if args.resume:  # a conversion continues as a training run
-        return resume(args, device)
+        return resume(args, device, parallel)
     if args.source is None:
         raise ValueError("SOURCE is required (the dense model to convert), unless --resume continues a conversion")
     out = Path(args.out)

@@ -116,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     tokenizer = load_eval_tokenizer(model_dir, args.tokenizer)
     log = lambda s: print(f"msakit eval: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    log(f"loading {model_dir} ({args.dtype}, {device})")
     model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log)
     with torch.inference_mode():
         run_eval(model, tokenizer, cfg, out, progress=not args.no_progress, log=log, model_name=str(model_dir),

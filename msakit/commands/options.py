@@ -289,11 +289,7 @@ def deferred_notes(args: argparse.Namespace) -> tuple[TrainConfig, Callable[[], 
 
 def start_processes(args: argparse.Namespace) -> tuple[Parallel | None, torch.device, bool]:
     """(parallel or None, device, is this rank 0) of a train / convert run: joins torchrun's
-    process group when the environment names one and checks --cp and the batch against it.
-    Refuses --resume on several processes."""
+    process group when the environment names one and checks --cp and the batch against it."""
     parallel = setup_distributed(cp=args.cp, fsdp=args.fsdp, device=args.device, batch_size=args.batch_size)
-    if parallel is not None and args.resume:
-        raise ValueError(f"--resume of a run on several processes is not supported by `msakit {args.command}` yet: "
-                         "resume it with msakit.distributed.checkpoint.load_sharded")
     device = parallel.env.device if parallel is not None else resolve_device(args.device)
     return parallel, device, is_main(parallel)

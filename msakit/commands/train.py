@@ -40,11 +40,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def resume(args: argparse.Namespace, device) -> int:
+def resume(args: argparse.Namespace, device, parallel=None) -> int:
     """`train --resume` / `convert --resume`: continue the run (a conversion continues as a
-    training run)."""
+    training run), on one process or under torchrun (`parallel`)."""
     check_resume_options(args, RESUME_OPTIONS)
     result = resume_run(Path(args.out), checkpoint=resume_from(args), steps=args.steps, device=device,
+                        parallel=parallel, fsdp=bool(getattr(args, "fsdp", False)),
                         compile=bool(getattr(args, "compile", False)),
                         activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)),
                         max_tokens=getattr(args, "max_tokens", None), time_budget=getattr(args, "time_budget", None),
@@ -57,7 +58,7 @@ def resume(args: argparse.Namespace, device) -> int:
 def run(args: argparse.Namespace) -> int:
     parallel, device, _ = start_processes(args)
     if args.resume:
-        return resume(args, device)
+        return resume(args, device, parallel)
     named = given(args)
     if args.init and named & {"preset", "config", "attention"}:
         raise ValueError("--init takes the model (and its architecture) from its folder: --preset, --config and "

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from msakit.models import M3Config, M3ForCausalLM
+from msakit.models.io import is_dcp_folder, load_dcp_weights
 
 __all__ = ["save_sharded", "load_sharded", "load_model_only", "read_state", "is_sharded_checkpoint",
            "has_optimizer_state", "dcp_to_pretrained", "pretrained_to_dcp", "STATE_FILE"]
@@ -56,7 +57,7 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    return (Path(path) / ".metadata").is_file()
+    return is_dcp_folder(path)
 
 
 def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -135,12 +136,9 @@ def dcp_to_pretrained(path: str | os.PathLike, out: str | os.PathLike, *, dtype:
 
 
 def load_model_only(path: str | os.PathLike, model: nn.Module) -> None:
-    """The model's weights of a sharded checkpoint into an unsharded model, without a process group."""
-    import torch.distributed.checkpoint as dcp
-
-    sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
-    model.load_state_dict(sd["model"])
+    """The model's weights of a sharded checkpoint into an unsharded model, without a process group
+    (`msakit.models.io.load_dcp_weights`)."""
+    load_dcp_weights(model, path)
 
 
 def pretrained_to_dcp(folder: str | os.PathLike, path: str | os.PathLike, *, state: dict | None = None) -> Path:

@@ -9,21 +9,19 @@ from typing import Any, Callable
 from msakit.eval.hf_policy import HFPolicyModel
 from msakit.eval.runner import EvalConfig, parse_policy
 from msakit.models.convert import convert_dense_to_msa, load_for_conversion
-from msakit.models.hf import MSAWrappedModel
 from msakit.models.interface import SparseModel
+from msakit.models.io import read_tokenizer_file
 
 __all__ = ["load_eval_model", "load_eval_tokenizer"]
 
 
 def load_eval_tokenizer(model_dir: Path, path: str | Path | None = None):
-    """The `tokenizers.Tokenizer` of `path` (a tokenizer.json; default the model folder's)."""
-    # tokenizers is an optional dependency (msakit[train]): imported only when a tokenizer is loaded
-    from tokenizers import Tokenizer
-
+    """The `tokenizers.Tokenizer` of `path` (a tokenizer.json; default the model folder's);
+    ModelFolderError naming the file when it cannot be read."""
     tok = Path(path).expanduser() if path else Path(model_dir) / "tokenizer.json"
     if not tok.is_file():
         raise FileNotFoundError(f"no tokenizer at {tok}: give --tokenizer PATH/tokenizer.json")
-    return Tokenizer.from_file(str(tok))
+    return read_tokenizer_file(tok)
 
 
 def load_eval_model(model_dir: Path, cfg: EvalConfig, *, device: Any, dtype: Any, init_blocks: int = 0,
@@ -41,10 +39,6 @@ def load_eval_model(model_dir: Path, cfg: EvalConfig, *, device: Any, dtype: Any
         log(f"adding an untrained index branch ({cfg.budget}, init_blocks {init_blocks}, seed {cfg.seed})")
         model = convert_dense_to_msa(model, block_size=cfg.budget.block_size, topk=cfg.budget.topk,
                                      init_blocks=init_blocks, seed=cfg.seed, device=device, dtype=dtype)
-    elif isinstance(model, MSAWrappedModel) and sparse and model.msa_config.selection.block_size != cfg.budget.block_size:
-        raise ValueError(f"{model_dir} selects blocks of {model.msa_config.selection.block_size} tokens; the budget "
-                         f"{cfg.budget} "
-                         f"needs blocks of {cfg.budget.block_size}")
     model.to(device=device, dtype=dtype)
     model.eval()
     return model

@@ -55,6 +55,7 @@ from msakit.eval.tasks import (
 )
 from msakit.jsonl import append_jsonl, drop_torn_tail, dumps_strict, read_jsonl
 from msakit.models.interface import SelectionModel, SparseModel
+from msakit.models.sizes import check_batch_fits, check_memory, max_positions
 from msakit.ops.index_topk import Selection
 from msakit.run_folder import check_fresh, check_resume, claim, read_marker
 
@@ -210,6 +211,64 @@ def check_model(model: Any, policies: Sequence[str]) -> None:
         _check_policy(model, policy)
 
 
+# memory one result record takes when the report reads results.jsonl (a parsed dict of ~15 fields)
+RECORD_BYTES = 2048
+# retrieval samples built at the shortest length to check that every one fits it
+LENGTH_CHECK_SAMPLES = 16
+
+
+def model_selection(model: Any) -> Selection | None:
+    """The selection settings the model's own layers use (an msakit or converted model), or None
+    (an HF model under policies, which takes the budget's)."""
+    for sel in (getattr(getattr(model, "msa_config", None), "selection", None),
+                getattr(getattr(model, "config", None), "selection", None)):
+        if isinstance(sel, Selection):
+            return sel
+    return None
+
+
+def planned_samples(cfg: EvalConfig) -> int:
+    """Samples (records) the settings ask for: every policy x task x length (x depth for retrieval)."""
+    per_policy = sum(len(cfg.lengths) * (1 if t == "loss" else len(cfg.depths)) for t in cfg.tasks)
+    return cfg.samples * len(cfg.policies) * per_policy
+
+
+def check_plan(model: Any, cfg: EvalConfig, pieces: TokenPieces) -> None:
+    """ValueError naming the option for settings the model or the device cannot run, before any
+    sample is built or scored: a length beyond the model's positions, a budget whose block size
+    differs from the model's own selection (sparse policies), a length too short for a retrieval
+    task's samples, a batch of the longest length beyond the device's memory (forward logits and
+    hidden states, `msakit.cost.activation_bytes`), or more samples than the report can hold in
+    memory (`RECORD_BYTES` each)."""
+    config = getattr(model, "config", None)
+    positions = max_positions(config)
+    longest = max(cfg.lengths)
+    if positions is not None and longest > positions:
+        raise ValueError(f"--lengths {longest:,} is beyond the model's {positions:,} positions "
+                         "(max_position_embeddings)")
+    own = model_selection(model)
+    sparse = any(parse_policy(p)[0] not in ("dense", "last") for p in cfg.policies)
+    if sparse and own is not None and own.block_size != cfg.budget.block_size:
+        raise ValueError(f"--budget {cfg.budget}: the model selects blocks of {own.block_size} tokens; give a budget "
+                         f"of that block size (e.g. block{own.block_size}-top{own.topk})")
+    shortest = min(cfg.lengths)
+    for task in (t for t in cfg.tasks if t in RETRIEVAL_TASKS):
+        for length in cfg.lengths:
+            n = min(cfg.samples, LENGTH_CHECK_SAMPLES) if length == shortest else 1
+            for i in range(n):
+                try:
+                    make_sample(None, task, length, cfg.depths[0], i, seed=cfg.seed, pieces=pieces,
+                                num_needles=cfg.num_needles, hops=cfg.hops)
+                except ValueError as e:
+                    raise ValueError(f"--lengths {length:,} is too short for {task} ({str(e).split(': ', 1)[-1]})"
+                                     ) from None
+    device = _device(model)
+    if config is not None:
+        check_batch_fits(config, min(cfg.batch_size, cfg.samples), longest, device, backward=False)
+    check_memory(planned_samples(cfg) * RECORD_BYTES, "cpu", f"--samples {cfg.samples:,} "
+                 f"({planned_samples(cfg):,} results, which the report reads at once)")
+
+
 def configure_model(model: Any, policy: str, budget: Selection) -> str:
     """Put `model` in the attention mode and selection of `policy`; returns where the selection
     comes from ("none" for dense, "policy", or "model" for msa on a model without the hook)."""
@@ -269,6 +328,7 @@ def run_eval(
     True continues an evaluation's folder, False takes a new or empty one, None either
     (`check_out`); the folder is held (locked) while the evaluation runs.  Returns the summary."""
     check_model(model, cfg.policies)
+    check_plan(model, cfg, TokenPieces(encoder(tokenizer)))
     out = Path(out_dir)
     resume = check_out(out, resume)
     with claim(out, EVAL_COMMAND, resume=resume, legacy=holds_results, keep=keeps_results):
@@ -281,6 +341,8 @@ def _run_eval(model: Any, tokenizer: Any, cfg: EvalConfig, out: Path, *, progres
     # tqdm is an optional dependency (msakit[train]): imported when an evaluation runs
     from tqdm.auto import tqdm
 
+    encode = encoder(tokenizer)
+    pieces = TokenPieces(encode)
     ident = cfg.identity()
     spath = out / SETTINGS
     if spath.is_file():
@@ -293,8 +355,6 @@ def _run_eval(model: Any, tokenizer: Any, cfg: EvalConfig, out: Path, *, progres
     rpath = out / RESULTS
     drop_torn_tail(rpath)
     done = {r.get("key") for r in read_records(rpath)}
-    encode = encoder(tokenizer)
-    pieces = TokenPieces(encode)
     device = _device(model)
 
     plan = []  # (policy, task, length, depth, [indices to do])

@@ -27,7 +27,10 @@ from torch import nn
 from msakit.config_io import read_config_json
 from msakit.models.adapters import FamilyAdapter, find_family, supported_model_types
 from msakit.models.config import M3_MODEL_TYPES
-from msakit.models.hf import MSAWrappedModel, is_msa_folder, load_hf_model, normal_init
+from msakit.models.hf import (DEFAULT_BLOCK_SIZE, DEFAULT_TOPK, MSAWrappedModel, is_msa_folder, load_hf_model,
+                              normal_init)
+from msakit.models.io import ModelFolderError, reading
+from msakit.models.sizes import check_selection_fits, max_positions
 from msakit.models.modeling import M3ForCausalLM
 from msakit.nn.attention import INDEX_MODULES
 from msakit.nn.norm import GemmaRMSNorm
@@ -50,18 +53,21 @@ INDEX_INITS = ("random", "qk")
 def load_for_conversion(path: str | os.PathLike[str], device: Any = None, dtype: torch.dtype | None = None) -> nn.Module:
     """Load a model folder: msakit / MiniMax-M3 (`M3ForCausalLM`), a saved `MSAWrappedModel`, or
     an HF model of a registered family (through transformers, offline).  Decided by config.json's
-    model_type."""
+    model_type.  The one model loader of the commands: a damaged or non-finite folder raises
+    `msakit.models.io.ModelFolderError` naming the file (a missing one FileNotFoundError)."""
     folder = Path(path)
     raw, cfg_path = read_config_json(folder / "config.json", "config.json")
-    model_type = raw.get("model_type")
-    if is_msa_folder(folder):
-        return MSAWrappedModel.from_pretrained(folder, device=device, dtype=dtype)
-    if model_type in M3_MODEL_TYPES:
-        return M3ForCausalLM.from_pretrained(folder, device=device, dtype=dtype)
-    if not isinstance(model_type, str) or find_family(model_type) is None:
-        raise ValueError(f"{cfg_path}: model_type {model_type!r} is not supported for conversion "
-                         f"(msakit/MiniMax-M3: {', '.join(M3_MODEL_TYPES)}; HF: {', '.join(supported_model_types())})")
-    return load_hf_model(folder, device, dtype)
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    with reading(folder, "the model"):
+        if is_msa_folder(folder):
+            return MSAWrappedModel.from_pretrained(folder, device=device, dtype=dtype)
+        if model_type in M3_MODEL_TYPES:
+            return M3ForCausalLM.from_pretrained(folder, device=device, dtype=dtype)
+        if not isinstance(model_type, str) or find_family(model_type) is None:
+            raise ModelFolderError(f"{cfg_path}: model_type {model_type!r} is not supported for conversion "
+                                   f"(msakit/MiniMax-M3: {', '.join(M3_MODEL_TYPES)}; HF: "
+                                   f"{', '.join(supported_model_types())})")
+        return load_hf_model(folder, device, dtype)
 
 
 def convert_dense_to_msa(
@@ -99,6 +105,9 @@ def convert_dense_to_msa(
         raise ValueError("the model already has MSA index branches (an MSAWrappedModel)")
     opts = dict(index_head_dim=index_head_dim, block_size=block_size, topk=topk,
                 local_blocks=local_blocks, init_blocks=init_blocks, layers=layers, seed=seed)
+    cfg = getattr(model, "config", None)
+    bs = block_size or getattr(cfg, "index_block_size", None) or DEFAULT_BLOCK_SIZE
+    check_selection_fits(bs, topk or getattr(cfg, "index_topk_blocks", None) or DEFAULT_TOPK, max_positions(cfg))
     if isinstance(model, M3ForCausalLM):
         if rotary_dim is not None and rotary_dim != model.config.rotary_dim:
             raise ValueError(f"rotary_dim={rotary_dim}: an M3 index branch uses the main branch's partial RoPE "

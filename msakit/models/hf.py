@@ -66,7 +66,7 @@ from msakit.models.interface import (
     end_forward,
     index_parameters,
 )
-from msakit.models.io import manifest_entries
+from msakit.models.io import ModelFolderError, check_finite, manifest_entries
 from msakit.nn.attention import MSAConfig, index_projections
 from msakit.nn.core import attend, selection_info
 from msakit.nn.norm import GemmaRMSNorm
@@ -379,6 +379,10 @@ def is_msa_folder(folder: str | os.PathLike[str]) -> bool:
     return isinstance(mt, str) and mt.startswith(MSA_PREFIX) and find_family(mt) is not None
 
 
+# the selection a converted HF model gets when none is given (`MSAWrappedModel.wrap`)
+DEFAULT_BLOCK_SIZE, DEFAULT_TOPK = 128, 16
+
+
 def load_hf_model(folder: str | os.PathLike[str], device: Any = None, dtype: torch.dtype | None = None, *,
                   strict: bool = False) -> nn.Module:
     """An HF causal LM from a local folder (transformers, offline; float32 unless `dtype`).
@@ -392,7 +396,9 @@ def load_hf_model(folder: str | os.PathLike[str], device: Any = None, dtype: tor
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32,
                                                        local_files_only=True, output_loading_info=True)
     if strict and info.get("missing_keys"):
-        raise ValueError(f"{folder}: weights missing from the checkpoint: {sorted(info['missing_keys'])[:6]}")
+        raise ModelFolderError(f"{folder}: weights missing from the checkpoint: {sorted(info['missing_keys'])[:6]}")
+    for name, t in model.state_dict().items():  # transformers loads the weights: refuse NaN / inf here
+        check_finite(name, t, folder)
     if device is not None:
         model.to(device)
     return model
@@ -474,7 +480,8 @@ class MSAWrappedModel(HFModelWrapper):
         rot = rotary_dim if rotary_dim is not None else min(64, di // 2, head_dim) // 2 * 2
         settings = MSASettings(
             index_head_dim=di,
-            selection=Selection(128 if block_size is None else block_size, 16 if topk is None else topk,
+            selection=Selection(DEFAULT_BLOCK_SIZE if block_size is None else block_size,
+                                DEFAULT_TOPK if topk is None else topk,
                                 1 if local_blocks is None else local_blocks, 0 if init_blocks is None else init_blocks),
             rotary_dim=rot,
             rope_theta=adapter.rope_theta(cfg), rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),

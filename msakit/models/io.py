@@ -12,7 +12,15 @@ Loading accepts a ``language_model.`` prefix (the VL checkpoint's text tower) an
 vision / projector / MTP tensors of a VL checkpoint; any other missing, unexpected or
 mis-shaped tensor raises ValueError naming a few.  A single ``model.safetensors`` is written up
 to `max_shard_size`, above it ``model-0000k-of-0000n.safetensors`` shards plus
-``model.safetensors.index.json``; both forms are read.  Never pickle.
+``model.safetensors.index.json``; both forms are read, and so is a sharded DCP checkpoint of a
+run on several processes (`load_dcp_weights`).  Never pickle.
+
+Every problem with a model folder's files -- a truncated, empty, garbage or absurd-header
+safetensors file, an unreadable tokenizer.json, weights holding NaN or inf, tensors that do not fit
+the model -- is one error type, `ModelFolderError` (a ValueError), whose one-line message names
+the file; `msakit.train.checkpoint.CheckpointError` (damaged training checkpoints) is a kind of it.
+`reading(path)` turns the readers' own exceptions (safetensors', tokenizers', transformers') into
+it; `check_finite` refuses non-finite weights as they are loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -31,6 +41,10 @@ from torch import nn
 from msakit.models.config import M3Config
 
 __all__ = [
+    "ModelFolderError",
+    "reading",
+    "check_finite",
+    "read_tokenizer_file",
     "SINGLE_FILE",
     "INDEX_FILE",
     "hf_state_items",
@@ -38,6 +52,8 @@ __all__ = [
     "save_weights",
     "save_tensors",
     "load_weights",
+    "is_dcp_folder",
+    "load_dcp_weights",
     "copy_tensors",
     "weight_files",
     "save_pretrained",
@@ -51,12 +67,63 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DCP_METADATA = ".metadata"  # what marks a torch.distributed.checkpoint folder
 _PREFIXES = ("language_model.",)
 # Tensors of a VL / MTP checkpoint that the text model does not hold: skipped on load.
 _SKIP = re.compile(r"^(vision_tower\.|visual\.|multi_modal_projector\.|patch_merge_mlp\.|mtp\.|model\.mtp\.|"
                    r"model\.layers\.\d+\.(eh_proj|enorm|hnorm|shared_head)\.)")
 _STACKED = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
 _PER_EXPERT = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+
+
+class ModelFolderError(ValueError):
+    """A model folder's file that cannot be used (damaged, of the wrong form, non-finite weights,
+    tensors that do not fit the model): a user error, one line naming the file (exit status 2)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextmanager
+def reading(path: str | os.PathLike[str], what: str = "safetensors file") -> Iterator[None]:
+    """Around reading `what` from `path`: any error but a missing file (FileNotFoundError) and an
+    interruption becomes one `ModelFolderError` line naming `path` (safetensors, tokenizers and
+    transformers raise their own exception types, some not ValueErrors)."""
+    try:
+        yield
+    except (ModelFolderError, FileNotFoundError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the readers' own types: SafetensorError, tokenizers' Exception, ...
+        msg = _first_line(e)
+        if isinstance(e, ValueError) and str(path) in msg:
+            raise ModelFolderError(msg) from None
+        raise ModelFolderError(f"{path}: cannot read {what}: {msg}") from None
+
+
+def check_finite(name: str, tensor: torch.Tensor, where: str | os.PathLike[str]) -> None:
+    """ModelFolderError when floating-point weight `name` (read from `where`) holds NaN or inf.
+    One pass over the tensor; 8-bit float and integer (packed) tensors are not checked."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.numel() == 0:
+        return
+    bad = ~torch.isfinite(tensor)
+    if bool(bad.any()):
+        raise ModelFolderError(f"{where}: weight {name} holds {int(bad.sum()):,} NaN / inf value(s) of "
+                               f"{tensor.numel():,}: the weights are damaged")
+
+
+def read_tokenizer_file(path: str | os.PathLike[str]) -> Any:
+    """The `tokenizers.Tokenizer` of a tokenizer.json file: FileNotFoundError when missing,
+    ModelFolderError (naming the file) when it cannot be read."""
+    # tokenizers is an optional dependency (msakit[train]): imported only when a tokenizer is loaded
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"tokenizer not found: {p}")
+    with reading(p, "tokenizer"):
+        return Tokenizer.from_file(str(p))
 
 
 def parse_size(size: int | str) -> int:
@@ -156,13 +223,13 @@ def manifest_entries(folder: str | os.PathLike[str]) -> list[tuple[str, str]]:
     try:
         items = list(json.loads(index.read_text(encoding="utf-8"))["weight_map"].items())
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        raise ModelFolderError(f"{index}: not a safetensors index ({e})") from None
     root = folder.resolve()
     for name, fname in items:
         if not isinstance(fname, str) or not fname:
-            raise ValueError(f"{index}: the file of tensor {name!r} is not a file name: {fname!r}")
+            raise ModelFolderError(f"{index}: the file of tensor {name!r} is not a file name: {fname!r}")
         if Path(fname).is_absolute() or not (folder / fname).resolve().is_relative_to(root):
-            raise ValueError(f"{index}: tensor {name!r} names {fname!r}, a file outside {folder}: refused")
+            raise ModelFolderError(f"{index}: tensor {name!r} names {fname!r}, a file outside {folder}: refused")
     return items
 
 
@@ -181,15 +248,11 @@ def weight_files(folder: str | os.PathLike[str]) -> dict[str, list[str]]:
                 raise FileNotFoundError(f"shard listed in {index} not found: {f}")
         return out
     single = folder / SINGLE_FILE
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            out[str(single)] = list(f.keys())
-        return out
-    files = sorted(folder.glob("*.safetensors"))
+    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {folder}")
     for p in files:
-        with safe_open(str(p), framework="pt") as f:
+        with reading(p), safe_open(str(p), framework="pt") as f:
             out[str(p)] = list(f.keys())
     return out
 
@@ -241,7 +304,7 @@ def targets_in_files(files: Mapping[str, list[str]], targets: Mapping[str, Any])
     """(open safetensors file, checkpoint name, model name) for each checkpoint tensor the model takes."""
 
     for fpath, names in files.items():
-        with safe_open(fpath, framework="pt") as f:
+        with reading(fpath), safe_open(fpath, framework="pt") as f:
             for raw in names:
                 name = _normalise(raw)
                 if name in targets:
@@ -267,8 +330,8 @@ def copy_tensors(
     """Copy the safetensors checkpoint in `folder` into `targets` ({model name: tensor}, in place;
     ``copy_`` converts the dtype); returns the optional model names the checkpoint lacks.
 
-    Before copying any tensor, raises ValueError naming the missing, unexpected and mismatched
-    tensors.  check(checkpoint name, model name, safetensors slice, target): a problem or None
+    Before copying any tensor, raises ModelFolderError naming the missing, unexpected and mismatched
+    tensors; a damaged file or a tensor holding NaN / inf is a ModelFolderError naming the file.  check(checkpoint name, model name, safetensors slice, target): a problem or None
     (default: the shapes must be equal); `mismatch` heads the list of those problems.  optional(model name): may be absent.  convert(loaded,
     target): the tensor to copy (default: the loaded one).
     """
@@ -281,18 +344,49 @@ def copy_tensors(
     if bad:
         problems.append(f"{mismatch} {few_names(bad, 4)}")
     if problems:
-        raise ValueError(f"checkpoint {folder} does not match {what}: " + "; ".join(problems))
+        raise ModelFolderError(f"checkpoint {folder} does not match {what}: " + "; ".join(problems))
+    file_of = {raw: fpath for fpath, names in files.items() for raw in names}
     for f, raw, name in targets_in_files(files, targets):
-        src = f.get_tensor(raw)
+        with reading(file_of[raw]):
+            src = f.get_tensor(raw)
+        check_finite(raw, src, file_of[raw])
         targets[name].copy_(src if convert is None else convert(src, targets[name]))
     return absent
 
 
-def load_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
-    """Copy a checkpoint's tensors into the model's parameters (dtype converted, in place).
+def is_dcp_folder(folder: str | os.PathLike[str]) -> bool:
+    """Whether `folder` is a sharded `torch.distributed.checkpoint` (DCP) checkpoint (its .metadata)."""
+    return (Path(folder) / DCP_METADATA).is_file()
 
-    Raises ValueError listing missing, unexpected or mis-shaped tensors before copying any.
+
+@torch.no_grad()
+def load_dcp_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """The model's weights from a DCP checkpoint (``{"model": state dict by parameter name}``, saved
+    on any number of ranks; `msakit.distributed.checkpoint.save_sharded`) into an unsharded
+    model, on one process without a process group (DCP reshards on load).  ModelFolderError
+    naming the folder for a damaged checkpoint, one that does not fit the model or NaN / inf."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with reading(folder, "the sharded checkpoint"), warnings.catch_warnings():
+        # one process without a process group is this function's purpose, not a surprise worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": sd}, checkpoint_id=str(folder), no_dist=True)
+    for name, t in sd.items():
+        check_finite(name, t, folder)
+    model.load_state_dict(sd)
+
+
+def load_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """Copy a checkpoint's tensors into the model's parameters (dtype converted, in place): a
+    safetensors folder, or a sharded DCP checkpoint (`load_dcp_weights`).
+
+    Raises ModelFolderError listing missing, unexpected or mis-shaped tensors before copying any,
+    or naming a damaged file or a tensor holding NaN / inf.
     """
+    if is_dcp_folder(folder):
+        load_dcp_weights(model, folder)
+        return
     copy_tensors(folder, dict(hf_state_items(model)))
 
 

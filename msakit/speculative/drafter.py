@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from msakit.models.io import ModelFolderError, check_finite, reading
 from msakit.nn.attention import GQAProjections
 from msakit.nn.mlp import SwiGLUMLP
 from msakit.nn.norm import GemmaRMSNorm
@@ -433,23 +434,24 @@ class DSparkDrafter(nn.Module):
         files = _weight_files(p)
         raw: dict[str, torch.Tensor] = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as fh:
+            with reading(f), safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
                     name = k[len(RELEASED_PREFIX):] if k.startswith(RELEASED_PREFIX) else k
                     if k.startswith("language_model.") and not k.startswith(RELEASED_PREFIX):
                         continue  # target tensors stored beside the drafter
                     raw[name] = fh.get_tensor(k)
+                    check_finite(k, raw[name], f)
         sd = _dequantize_mxfp8(raw)
         model = cls(cfg, init=False)
         own = model.state_dict()
         missing = sorted(set(own) - set(sd))
         extra = sorted(set(sd) - set(own))
         if missing or extra:
-            raise ValueError(f"{p}: drafter weights do not match the config: missing {missing[:4]}, "
+            raise ModelFolderError(f"{p}: drafter weights do not match the config: missing {missing[:4]}, "
                              f"unexpected {extra[:4]}")
         bad = [k for k in own if tuple(sd[k].shape) != tuple(own[k].shape)]
         if bad:
-            raise ValueError(f"{p}: mis-shaped drafter weight(s) {bad[:4]} (e.g. {bad[0]}: "
+            raise ModelFolderError(f"{p}: mis-shaped drafter weight(s) {bad[:4]} (e.g. {bad[0]}: "
                              f"{tuple(sd[bad[0]].shape)} vs {tuple(own[bad[0]].shape)})")
         model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()})
         if device is not None or dtype is not None:

@@ -12,7 +12,15 @@ Writing goes into ``checkpoints/.tmp-...``; every file is fsynced, the manifest 
 folder renamed to ``step-N`` and only then ``latest`` replaced (os.replace, fsync of the folder).
 An interruption at any point (Ctrl-C included) leaves ``latest`` naming the previous complete
 checkpoint; older checkpoints are pruned only after the new one is in place (``keep`` 0 keeps all).  Loading checks every
-file against the manifest (a missing, extra-modified or corrupt file is a `CheckpointError`).
+file against the manifest (a missing, extra-modified or corrupt file is a `CheckpointError`), then
+the form of what a resume reads before anything uses it: trainer_state.json's fields and their types
+(`check_trainer_state`), rng.safetensors' tensors (`check_rng_tensors`), the optimizer files.
+`CheckpointError` is a `msakit.models.io.ModelFolderError`: one error type for every damaged folder.
+
+A run on several processes writes sharded DCP checkpoints instead (``<run>/sharded/step-N``:
+`msakit.distributed.checkpoint`, its trainer state in state.json, no RNG file, the optimizer
+inside the shards); `find_checkpoint` returns the newest complete checkpoint of either kind, so a
+run folder is resumed, loaded, exported the same way whichever wrote it.
 """
 
 from __future__ import annotations
@@ -30,14 +38,89 @@ from typing import Any
 import numpy as np
 import torch
 
+from msakit.distributed.checkpoint import STATE_FILE, is_sharded_checkpoint, read_state
+from msakit.models.io import ModelFolderError, reading
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 CKPT_DIR = "checkpoints"
+SHARDED_DIR = "sharded"  # DCP checkpoints of runs on several ranks: <run>/sharded/step-N, <run>/sharded/latest
 FORMAT = "msakit-train-checkpoint-v1"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ModelFolderError):
     """A missing, corrupt or mismatching checkpoint (a user error: one line, exit status 2)."""
+
+
+# what the loaders read of trainer_state.json (both trainers write these; a missing key reads as absent)
+_INT = (int,)
+_LOADER_FIELDS = {"seed": _INT, "epoch": _INT, "pos": _INT, "batch_size": _INT, "shuffle": (bool,), "rows": _INT,
+                  "fingerprint": (str,)}
+_MT_WORDS = 624  # the Mersenne Twister's state words (Python's and NumPy's generator)
+
+
+def _is(v: Any, kinds: tuple) -> bool:
+    return isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
+
+
+def check_trainer_state(state: Any, path: Path, *, rng: bool = True) -> dict:
+    """`state` (trainer_state.json, at `path`) if it holds what a resume reads, of the right types
+    (step, config, loader, rng unless not `rng` (a sharded checkpoint's state.json), optional meta
+    and tokens_seen); CheckpointError naming the file and the field otherwise."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}; the checkpoint is damaged")
+
+    if not isinstance(state, dict):
+        raise bad("not a JSON object")
+    step = state.get("step")
+    if not _is(step, _INT) or step < 0:
+        raise bad(f"'step' must be a non-negative integer, got {step!r}")
+    for key in ("config", "loader", "rng") if rng else ("config", "loader"):
+        if not isinstance(state.get(key), dict):
+            raise bad(f"'{key}' is missing or not an object" if key not in state else f"'{key}' is not an object")
+    for key in ("meta",):
+        if key in state and not isinstance(state[key], dict):
+            raise bad(f"'{key}' is not an object")
+    if "tokens_seen" in state and not (_is(state["tokens_seen"], _INT) and state["tokens_seen"] >= 0):
+        raise bad(f"'tokens_seen' must be a non-negative integer, got {state['tokens_seen']!r}")
+    for key, kinds in _LOADER_FIELDS.items():
+        v = state["loader"].get(key)
+        if not _is(v, kinds) or (kinds is _INT and v < 0):
+            raise bad(f"'loader.{key}' must be {'a non-negative integer' if kinds is _INT else kinds[0].__name__}, "
+                      f"got {v!r}")
+    if not rng:
+        return state
+    py, npy = state["rng"].get("python"), state["rng"].get("numpy")
+    if not (isinstance(py, list) and len(py) == 3 and _is(py[0], _INT) and isinstance(py[1], list)
+            and len(py[1]) == _MT_WORDS + 1 and all(_is(x, _INT) and 0 <= x < 2**32 for x in py[1])
+            and (py[2] is None or _is(py[2], (int, float)))):
+        raise bad("'rng.python' is not a Python random state")
+    if not (isinstance(npy, list) and len(npy) == 4 and npy[0] == "MT19937" and _is(npy[1], _INT)
+            and _is(npy[2], _INT) and _is(npy[3], (int, float))):
+        raise bad("'rng.numpy' is not a NumPy random state")
+    return state
+
+
+def check_rng_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """`tensors` (rng.safetensors, at `path`) if they are the generator states `set_rng_state`
+    restores (torch's CPU state, NumPy's key words, CUDA states); CheckpointError naming the file
+    otherwise."""
+    want = torch.get_rng_state()
+    cpu = tensors.get("torch_cpu")
+    if cpu is None or cpu.dtype != want.dtype or tuple(cpu.shape) != tuple(want.shape):
+        raise CheckpointError(f"{path}: 'torch_cpu' must be a {want.dtype} tensor of {want.numel()} bytes "
+                              f"(torch's CPU generator state); the checkpoint is damaged")
+    keys = tensors.get("numpy_keys")
+    if keys is None or keys.dtype != torch.int64 or tuple(keys.shape) != (_MT_WORDS,) or \
+            bool(((keys < 0) | (keys >= 2**32)).any()):
+        raise CheckpointError(f"{path}: 'numpy_keys' must be {_MT_WORDS} int64 words in [0, 2^32) (NumPy's "
+                              "generator state); the checkpoint is damaged")
+    for k, v in tensors.items():
+        if k.startswith("torch_cuda_") and (v.dtype != torch.uint8 or v.dim() != 1):
+            raise CheckpointError(f"{path}: '{k}' must be a 1-D uint8 tensor (a CUDA generator state)")
+        if k not in ("torch_cpu", "numpy_keys") and not k.startswith("torch_cuda_"):
+            raise CheckpointError(f"{path}: unexpected tensor {k!r} in the generator states")
+    return tensors
 
 
 # ----------------------------------------------------------------------------- files and hashes
@@ -103,8 +186,21 @@ def optimizer_to_files(optimizer: torch.optim.Optimizer, param_names: list[str])
 
 
 def optimizer_from_files(optimizer: torch.optim.Optimizer, param_names: list[str], tensors: dict, scalars: dict) -> None:
-    if scalars.get("param_names") != param_names:
+    """Restore `optimizer` from the tensors and scalars `optimizer_to_files` wrote; CheckpointError
+    when they do not fit it or are malformed."""
+    if not isinstance(scalars, dict) or scalars.get("param_names") != param_names:
         raise CheckpointError("optimizer state does not match the model's parameters")
+    try:
+        _optimizer_from_files(optimizer, param_names, tensors, scalars)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"optimizer state does not fit: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                              ) from None
+
+
+def _optimizer_from_files(optimizer: torch.optim.Optimizer, param_names: list[str], tensors: dict,
+                          scalars: dict) -> None:
     index = {n: i for i, n in enumerate(param_names)}
     state: dict[int, dict] = {}
     for key, val in tensors.items():
@@ -123,10 +219,7 @@ def optimizer_from_files(optimizer: torch.optim.Optimizer, param_names: list[str
             g[k] = tuple(g[k])
         g["params"] = [index[n] for n in g["params"]]
         groups.append(g)
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"optimizer state does not fit: {e}") from None
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 # ----------------------------------------------------------------------------- RNG state
@@ -266,11 +359,47 @@ def _prune(root: Path, keep: int, current: str) -> None:
             shutil.rmtree(root / n, ignore_errors=True)
 
 
+def _step_of(ck: Path) -> int:
+    try:
+        return int(ck.name.rpartition("-")[2])
+    except ValueError:
+        return -1
+
+
+def _sharded_complete(ck: Path) -> bool:
+    return is_sharded_checkpoint(ck) and (ck / STATE_FILE).is_file() and (ck / "config.json").is_file()
+
+
+def find_sharded_checkpoint(path: str | os.PathLike) -> Path | None:
+    """A sharded (DCP) checkpoint folder itself, or the newest complete one under <run>/sharded
+    (its `latest`, else the highest step); None when there is none."""
+    p = Path(path)
+    if is_sharded_checkpoint(p):
+        return p
+    root = p / SHARDED_DIR
+    lp = root / LATEST
+    if lp.is_file() and (name := lp.read_text().strip()) and _sharded_complete(root / name):
+        return root / name
+    steps = sorted((c for c in root.glob("step-*") if _sharded_complete(c)), key=_step_of) if root.is_dir() else []
+    return steps[-1] if steps else None
+
+
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
-    """A checkpoint folder (has manifest.json), or a run folder / checkpoints folder -> its latest."""
+    """A checkpoint folder (manifest.json, or a sharded DCP checkpoint), or a run folder /
+    checkpoints folder -> its newest complete checkpoint: the higher step of the single-file one
+    under checkpoints/ and the sharded one under sharded/ (a run resumed on another number of
+    processes writes the other kind)."""
     p = Path(path)
     if (p / MANIFEST).is_file():
         return p
+    single = _find_single(p)
+    sharded = find_sharded_checkpoint(p)
+    if sharded is not None and (single is None or _step_of(sharded) > _step_of(single)):
+        return sharded
+    return single
+
+
+def _find_single(p: Path) -> Path | None:
     for root in (p / CKPT_DIR, p):
         lp = root / LATEST
         if lp.is_file():
@@ -298,6 +427,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def verify_checkpoint(ckpt: str | os.PathLike) -> dict:
     """Check every file against the manifest; return the manifest.  Raises CheckpointError."""
     ck = Path(ckpt)
+    if is_sharded_checkpoint(ck):  # DCP keeps no hashes: check that it is complete
+        for f in (STATE_FILE, "config.json"):
+            if not (ck / f).is_file():
+                raise CheckpointError(f"sharded checkpoint {ck} is incomplete: {f} is missing")
+        return {"format": "dcp", "files": {}}
     try:
         manifest = json.loads((ck / MANIFEST).read_text())
     except FileNotFoundError:
@@ -321,15 +455,27 @@ def load_checkpoint_state(ckpt: str | os.PathLike) -> tuple[dict, dict[str, torc
 
     ck = Path(ckpt)
     verify_checkpoint(ck)
-    try:
-        state = json.loads((ck / "trainer_state.json").read_text())
-        rng = load_file(str(ck / "rng.safetensors"))
-        ot = os_ = None
-        if (ck / "optimizer.safetensors").is_file():
-            ot = load_file(str(ck / "optimizer.safetensors"))
-            os_ = json.loads((ck / "optimizer.json").read_text())
-    except FileNotFoundError as e:
-        raise CheckpointError(f"checkpoint {ck} lacks {Path(e.filename).name}") from None
-    except Exception as e:  # safetensors / json parse errors
-        raise CheckpointError(f"cannot read checkpoint {ck}: {str(e).splitlines()[0]}") from None
+    if is_sharded_checkpoint(ck):  # the RNG is reseeded per rank; the optimizer lies in the shards
+        with reading(ck / STATE_FILE, "JSON"):
+            state = read_state(ck)
+        return check_trainer_state(state, ck / STATE_FILE, rng=False), {}, None, None
+
+    def read(name: str, what: str, load: Any) -> Any:
+        path = ck / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ck} lacks {name}")
+        try:
+            with reading(path, what):
+                return load(path)
+        except ModelFolderError as e:
+            raise CheckpointError(str(e)) from None
+
+    state = check_trainer_state(read("trainer_state.json", "JSON", lambda p: json.loads(p.read_text())),
+                                ck / "trainer_state.json")
+    rng = check_rng_tensors(read("rng.safetensors", "safetensors file", lambda p: load_file(str(p))),
+                            ck / "rng.safetensors")
+    ot = os_ = None
+    if (ck / "optimizer.safetensors").is_file():
+        ot = read("optimizer.safetensors", "safetensors file", lambda p: load_file(str(p)))
+        os_ = read("optimizer.json", "JSON", lambda p: json.loads(p.read_text()))
     return state, rng, ot, os_

@@ -61,9 +61,10 @@ def resumed_run_dir(out: Path, command: str, accepts: Sequence[str]) -> ContextM
 
 
 def run_folder_of(ckpt: Path) -> Path:
-    """The run folder a checkpoint lies in (``RUN/checkpoints/step-N`` -> RUN), else its folder."""
+    """The run folder a checkpoint lies in (``RUN/checkpoints/step-N``, ``RUN/sharded/step-N`` -> RUN),
+    else its folder."""
     ck = Path(ckpt)
-    return ck.parent.parent if ck.parent.name == ckpt_mod.CKPT_DIR else ck.parent
+    return ck.parent.parent if ck.parent.name in (ckpt_mod.CKPT_DIR, ckpt_mod.SHARDED_DIR) else ck.parent
 
 
 def resume_dir(out: Path, checkpoint: Path | None, command: str, accepts: Sequence[str]) -> ContextManager[RunClaim]:

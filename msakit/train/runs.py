@@ -28,6 +28,7 @@ from msakit.cost import ModelShape, total_params
 from msakit.distributed.launch import Parallel, is_main, rank0_first
 from msakit.models import M3Config, M3ForCausalLM
 from msakit.models.convert import convert_dense_to_msa
+from msakit.models.sizes import available_memory, check_batch_fits, format_bytes
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.corpus import DEFAULT_LONG_MIN_TOKENS, DEFAULT_VAL_FRACTION
 from msakit.train.data import PreparedData, prepare_data
@@ -133,31 +134,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def available_memory(device) -> int | None:
-    """Free bytes on `device`: CUDA's free memory, the host's MemAvailable; None if unknown."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
-    if dev.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e12:,.2f} TB" if n >= 1e12 else f"{n / 1e9:,.2f} GB"
-
-
 def check_fits(n_params: int, device, *, available: Callable[[Any], int | None] = available_memory,
                bytes_per_param: int = TRAIN_BYTES_PER_PARAM) -> None:
     """ValueError when training `n_params` parameters cannot fit: `bytes_per_param` per parameter
@@ -176,7 +152,7 @@ def check_fits(n_params: int, device, *, available: Callable[[Any], int | None] 
         avail = available(d)
         if avail is not None and need > avail:
             raise ValueError(f"the model has {n_params / 1e9:,.1f}B parameters: training it needs at least "
-                             f"{_gb(need)} on {d} ({why}) but {_gb(avail)} are available")
+                             f"{format_bytes(need)} on {d} ({why}) but {format_bytes(avail)} are available")
 
 
 def config_params(cfg: M3Config) -> int:
@@ -303,6 +279,8 @@ def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str |
         cfg0 = model_config(preset, config, tok.vocab_size if tok else data.vocab_size, attention=attention)
         check_context(cfg0, data.context)
         check_fits(config_params(cfg0), device)
+    check_batch_fits(model.config if init else cfg0, train.batch_size // (parallel.dp if parallel else 1), data.context,
+                     device, backward=True)
     if ready is not None:
         ready()
     with new_run_dir(out, "train") if main_rank else contextlib.nullcontext():
@@ -363,6 +341,8 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
                                  init_blocks=init_blocks, index_init=index_init, seed=train.seed)
     check_context(model.config, data.context)
     check_vocab(model, tok)
+    check_batch_fits(model.config, train.batch_size // (parallel.dp if parallel else 1), data.context, device,
+                     backward=True)
     if train.compile and not isinstance(model, M3ForCausalLM):
         raise ValueError("--compile compiles msakit's decoder layers; a converted HF model has none "
                          "(train it without --compile)")
@@ -432,24 +412,32 @@ def open_resume(out: Path, checkpoint: Path | None, parse_config: Callable[[dict
 def resume_run(out: Path, *, checkpoint: Path | None = None, steps: int | None = None,
                device: torch.device | str = "cpu", compile: bool = False, activation_checkpointing: bool = False,
                max_tokens: int | None = None, time_budget: float | None = None, cache_dir: str | None = None,
-               progress: bool = True, log: Log = say, command: str = "train") -> RunResult | None:
+               progress: bool = True, log: Log = say, command: str = "train", parallel: Parallel | None = None,
+               fsdp: bool = False) -> RunResult | None:
     """Continue a training or conversion run from `checkpoint` (default: run folder `out`'s
-    latest) with its recorded data order and settings, to `steps` (default: its own); how it runs
-    (`device`, `compile`, `activation_checkpointing`, `max_tokens`, `time_budget`) may change.
-    None when the run has already reached its steps.  A conversion run saves its model in
-    OUT/model again at the end.  `out` is held for `command` (its marker must name a training or
+    latest, single-file or sharded) with its recorded data order and settings, to `steps`
+    (default: its own); how it runs (`device`, `compile`, `activation_checkpointing`,
+    `max_tokens`, `time_budget`, the processes of `parallel` and `fsdp`) may change: a sharded
+    checkpoint resumes on any number of processes (DCP reshards it).  None when the run has
+    already reached its steps.  A conversion run saves its model in OUT/model again at the end.
+    `out` is held for `command` by the main process (its marker must name a training or
     conversion run, `TRAIN_COMMANDS`) while the run continues."""
     out = Path(out)
-    with resume_dir(out, checkpoint, command, TRAIN_COMMANDS):
+    hold = resume_dir(out, checkpoint, command, TRAIN_COMMANDS) if is_main(parallel) else contextlib.nullcontext()
+    with hold:
         return _resume_run(out, checkpoint=checkpoint, steps=steps, device=device, compile=compile,
                            activation_checkpointing=activation_checkpointing, max_tokens=max_tokens,
-                           time_budget=time_budget, cache_dir=cache_dir, progress=progress, log=log)
+                           time_budget=time_budget, cache_dir=cache_dir, progress=progress, log=log,
+                           parallel=parallel, fsdp=fsdp)
 
 
 def _resume_run(out: Path, *, checkpoint: Path | None, steps: int | None, device: torch.device | str, compile: bool,
                 activation_checkpointing: bool, max_tokens: int | None, time_budget: float | None,
-                cache_dir: str | None, progress: bool, log: Log) -> RunResult | None:
+                cache_dir: str | None, progress: bool, log: Log, parallel: Parallel | None,
+                fsdp: bool) -> RunResult | None:
     t0 = time.time()
+    main_rank = is_main(parallel)
+    log = log if main_rank else _quiet
     point = open_resume(out, checkpoint, TrainConfig.from_dict, steps=steps, log=log)
     if point is None:
         return None
@@ -460,17 +448,19 @@ def _resume_run(out: Path, *, checkpoint: Path | None, steps: int | None, device
     if not meta.get("data"):
         raise ckpt_mod.CheckpointError(f"{ck} does not record its data settings; cannot resume")
     tok = Tokenizer.load(ck)
-    pd = prepare(DataOptions.from_dict(meta["data"]), tokenizer=tok, cache_dir=cache_dir, log=log)
+    with rank0_first(parallel):  # rank 0 fills the data cache first
+        pd = prepare(DataOptions.from_dict(meta["data"]), tokenizer=tok, cache_dir=cache_dir, log=log)
     model = load_model_folder(ck, dtype=torch_dtype(meta.get("dtype", "float32")))
     conversion = meta.get("kind") == "convert"
     trainer = Trainer(model, cfg, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
-                      progress=progress, meta=meta, eval_both_modes=conversion,
+                      progress=progress, meta=meta, eval_both_modes=conversion, parallel=parallel, fsdp=fsdp,
                       activation_checkpointing=activation_checkpointing)
     trainer.resume(ck, load_weights=lambda _: None)
-    if not (out / "tokenizer.json").is_file():
+    if main_rank and not (out / "tokenizer.json").is_file():
         tok.save(out)
     log(f"resumed {ck} at step {trainer.step}")
     describe_run(trainer, log)
     trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
     log(summary_line(trainer, t0))
-    return RunResult(trainer, save_model_folder(trainer.model, tok, out / MODEL_DIR) if conversion else None)
+    mdir = save_model_folder(trainer.model, tok, out / MODEL_DIR) if conversion and main_rank else None
+    return RunResult(trainer, mdir)

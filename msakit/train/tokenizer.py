@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from msakit.models.io import read_tokenizer_file
 from msakit.train.corpus import CorpusFile
 
 EOS = "<|endoftext|>"
@@ -77,18 +78,8 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike, eos_id: int | None = None) -> "Tokenizer":
-        from tokenizers import Tokenizer as _Tok
-
         p = Path(path)
-        if p.is_dir():
-            p = p / TOKENIZER_FILE
-        if not p.is_file():
-            raise FileNotFoundError(f"tokenizer not found: {p}")
-        try:
-            tok = _Tok.from_file(str(p))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise ValueError(f"cannot read tokenizer {p}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        return cls(tok, eos_id)
+        return cls(read_tokenizer_file(p / TOKENIZER_FILE if p.is_dir() else p), eos_id)
 
 
 class TextStreamer:

@@ -63,7 +63,7 @@ from msakit.train.metrics import autocast_for, evaluate, load_balance, model_for
 from msakit.train.plots import write_plots
 
 TRAIN_WHAT = ("all", "index")  # TrainConfig.train
-SHARDED_DIR = "sharded"  # DCP checkpoints of runs on several ranks: <run>/sharded/step-N, <run>/sharded/latest
+SHARDED_DIR = ckpt_mod.SHARDED_DIR  # DCP checkpoints of runs on several ranks: <run>/sharded/step-N
 
 
 @dataclass
@@ -131,9 +131,22 @@ class TrainConfig:
 
 
 def config_from_dict(cls: Any, d: dict) -> Any:
-    """A config dataclass from a dict, ignoring keys that are not its fields."""
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
+    """A config dataclass from a dict (a checkpoint's recorded settings), ignoring keys that are not
+    its fields.  ValueError naming the setting for a value whose type differs from its field's
+    default (an int, float, bool or str default; a float field also takes an int)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"the recorded {cls.__name__} is not an object: {d!r}")
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+    out = {}
+    for f in fields(cls):
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        want = kinds.get(type(f.default))
+        if want is not None and not (isinstance(v, want) and (bool in want or not isinstance(v, bool))):
+            raise ValueError(f"the recorded setting {f.name!r} must be {type(f.default).__name__}, got {v!r}")
+        out[f.name] = v
+    return cls(**out)
 
 
 def warmup_cosine(lr: float, min_lr_ratio: float, warmup: int, steps: int, step: int) -> float:
@@ -543,21 +556,28 @@ class Trainer:
         return ck
 
     def resume(self, path: str | os.PathLike, load_weights: Callable[[Path], None] | None = None) -> Path:
-        """Restore weights, optimizer, loader, RNG and step from a checkpoint (verified first)."""
-        if find_sharded(path) is not None:
-            return self.resume_sharded(path)
+        """Restore weights, optimizer, loader, RNG and step from a checkpoint (verified first): the
+        newest of a run folder, single-file or sharded (`ckpt_mod.find_checkpoint`)."""
         ck = ckpt_mod.resolve_checkpoint(path)
-        state, rng, ot, os_ = ckpt_mod.load_checkpoint_state(ck)
-        if load_weights is not None:
-            load_weights(ck)
+        if is_sharded_checkpoint(ck):
+            self.resume_sharded(ck)
         else:
-            load_model_weights(self.model, ck)
-        restore_optimizer(self.optimizer, self.param_names, ot, os_, self.device)
-        self.loader.load_state_dict(state["loader"])
-        ckpt_mod.set_rng_state(rng, state["rng"])
-        self.step = int(state["step"])
-        self.tokens_seen = int(state.get("tokens_seen", 0))
-        # the log continues from the checkpoint: drop records of steps the checkpoint did not see
+            state, rng, ot, os_ = ckpt_mod.load_checkpoint_state(ck)
+            if load_weights is not None:
+                load_weights(ck)
+            else:
+                load_model_weights(self.model, ck)
+            restore_optimizer(self.optimizer, self.param_names, ot, os_, self.device)
+            self.loader.load_state_dict(state["loader"])
+            ckpt_mod.set_rng_state(rng, state["rng"])
+            self.step = int(state["step"])
+            self.tokens_seen = int(state.get("tokens_seen", 0))
+        if self.is_main:
+            self._rewind_log()
+        return ck
+
+    def _rewind_log(self) -> None:
+        """The log continues from the checkpoint: drop records of steps the checkpoint did not see."""
         mf = self.out_dir / METRICS_FILE
         if mf.is_file():
             keep = []
@@ -570,7 +590,6 @@ class Trainer:
             tmp = mf.with_suffix(".tmp")
             tmp.write_text("".join(x + "\n" for x in keep))
             os.replace(tmp, mf)
-        return ck
 
     def tokens_read(self, step: int | None = None) -> int:
         """Input tokens of the first `step` steps (default: the steps done): batch x context each."""
@@ -644,13 +663,7 @@ class Trainer:
 
 def find_sharded(path: str | os.PathLike) -> Path | None:
     """A DCP checkpoint folder itself, or the newest under <run>/sharded (None when there is none)."""
-    p = Path(path)
-    if (p / ".metadata").is_file():
-        return p
-    latest = p / SHARDED_DIR / ckpt_mod.LATEST
-    if latest.is_file():
-        return p / SHARDED_DIR / latest.read_text().strip()
-    return None
+    return ckpt_mod.find_sharded_checkpoint(path)
 
 
 def train_line(rec: dict) -> str:
