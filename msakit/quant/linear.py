@@ -16,9 +16,9 @@ dequantize in registers (Hopper has no block-scaled MMA for MXFP8 / NVFP4), givi
   `KERNEL_MAX_ROWS` rows per weight (decode, small batches); larger batches dequantize then run
   cuBLAS / `torch._grouped_mm` (the extra pass over the weight is small against the GEMM there).
 - MXFP8 linears: up to `KERNEL_MAX_ROWS` rows the weight-only kernel (W8A16) on the
-  fake-quantized input; above `SCALED_MIN_ROWS` rows the input is quantized (1 x 32 blocks) and
-  `mxfp8_scaled_mm` multiplies the E4M3 codes on FP8 tensor cores with the two E8M0 scales per
-  32-wide K chunk; between them dequantize-then-matmul.
+  fake-quantized input; above, dequantize-then-matmul (`mxfp8_scaled_mm`, the FP8 tensor-core
+  GEMM, is not dispatched: 25-28x slower than dequantize + cuBLAS at 4096-16384 rows on an H100,
+  docs/packed.md).
 **Dequantize-then-matmul** (`unpack_weight` into the compute dtype, then `F.linear` or
 `msakit.nn.moe.grouped_mm`) is the reference, the CPU path and the fallback (it warns once
 on CUDA when the kernels cannot run).  It is exact: the dequantized values are the ones QAT
@@ -47,7 +47,7 @@ from torch import nn
 from msakit.nn.mlp import swiglu_oai
 from msakit.ops.dispatch import use_triton
 from msakit.nn.moe import GroupedExperts, grouped_mm
-from msakit.ops.packed_gemm import mxfp8_scaled_mm, packed_grouped_mm, packed_linear
+from msakit.ops.packed_gemm import packed_grouped_mm, packed_linear
 
 from .formats import (
     NVFP4_GLOBAL_DIVISOR,
@@ -82,7 +82,6 @@ __all__ = [
     "PackedExperts",
     "packed_path",
     "KERNEL_MAX_ROWS",
-    "SCALED_MIN_ROWS",
 ]
 
 SUFFIXES = {
@@ -95,10 +94,9 @@ _FLOAT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # Dispatch of the packed forward on CUDA (rows = tokens of a linear, mean rows per active expert
 # of the routed experts): the in-register kernels up to KERNEL_MAX_ROWS, dequantize-then-matmul
-# above (NVFP4) or up to SCALED_MIN_ROWS (MXFP8; the FP8 tensor-core GEMM from there on).
-# Set from benchmarks/packed_gemm.py on an H200 (docs/packed.md).
+# above.  On an H100 (benchmarks/packed_gemm.py, docs/packed.md) the NVFP4 kernel is 6-10x the
+# dequantize path at 1-16 rows per expert and 1.5x at 128; MXFP8 W8A16 2.8-2.9x at 1-16 rows.
 KERNEL_MAX_ROWS = 64
-SCALED_MIN_ROWS = 256
 
 
 def packed_spec(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -513,11 +511,6 @@ class PackedLinear(_PackedBase):
         dt = compute_dtype(x.device.type, self.compute_dtype)
         rows = x.numel() // max(1, self.in_features)
         path = "dequant" if self.cache_dequantized else packed_path(self.fmt, rows, x, self.backend)
-        if path == "scaled" and self.quantize_input and self.fmt == "mxfp8":
-            codes, scales = mxfp8_quantize(x.reshape(-1, self.in_features), scale_rule=self.scale_rule,
-                                           backend=self.backend, check_finite=False)
-            y = mxfp8_scaled_mm(codes, scales, self.weight, self.weight_scale_inv, out_dtype=dt, backend=self.backend)
-            return y.reshape(*x.shape[:-1], self.out_features)
         if self.quantize_input:
             x = mxfp8_fake_quantize_to(x, dt, scale_rule=self.scale_rule, backend=self.backend)
         if path == "kernel":
@@ -693,18 +686,15 @@ class PackedExperts(GroupedExperts, _PackedBase):
 
 def packed_path(fmt: str, rows: int, x: torch.Tensor, backend: str) -> str:
     """How a packed weight of `fmt` multiplies `rows` rows of x (see KERNEL_MAX_ROWS):
-    "kernel" (in-register dequantization), "scaled" (MXFP8 x MXFP8 on FP8 tensor cores) or
-    "dequant" (dequantize-then-matmul: CPU, autograd through x, large NVFP4 batches, or CUDA
-    without Triton, which warns once)."""
+    "kernel" (in-register dequantization) or "dequant" (dequantize-then-matmul: CPU, autograd
+    through x, large batches, or CUDA without Triton, which warns once)."""
     if fmt not in ("nvfp4", "mxfp8") or (torch.is_grad_enabled() and x.requires_grad):
         return "dequant"
     if backend == "reference" or (x.device.type != "cuda" and backend == "auto"):
         return "dequant"
     if not use_triton("packed_gemm", backend, x.device):  # warns once on CUDA without Triton
         return "dequant"
-    if rows <= KERNEL_MAX_ROWS:
-        return "kernel"
-    return "scaled" if fmt == "mxfp8" and rows >= SCALED_MIN_ROWS else "dequant"
+    return "kernel" if rows <= KERNEL_MAX_ROWS else "dequant"
 
 
 def expert_global_scales(ws: Mapping[str, torch.Tensor], formats: Mapping[str, str],
