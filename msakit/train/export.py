@@ -22,7 +22,7 @@ def export_model(source: str | Path, out: str | Path, *, dtype: torch.dtype | No
     problem (a missing or damaged source, a drafter, an `out` holding anything) is a ValueError /
     FileNotFoundError before anything is written."""
     source, out = Path(source), Path(out)
-    check_new_out(out, "model")
+    check_new_out(out)
     folder = model_folder(source)
     if folder_kind(folder) == "drafter":
         raise ValueError(f"{source} is a DSpark drafter: its checkpoints are already drafter folders")

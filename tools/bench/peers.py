@@ -243,7 +243,6 @@ def union_sweep(T_list, kinds, *, verbose=True) -> list[dict]:
             if verbose:
                 print(json.dumps(row), flush=True)
             out.append(row)
-            del bi
     return out
 
 

@@ -167,12 +167,3 @@ def sparse_attention(
     # CPU (or no usable kernel): chunked matmuls, equal to the reference
     o, lse = sparse_attention_chunked(q, k, v, block_idx, int(block_size), float(scale), cu_seqlens=cu_seqlens)
     return (o, lse) if return_lse else o
-
-
-# ------------------------------------------------------------------------------ sm_90 dispatch hook
-# On sm_90 CUDA tensors the forward custom op runs the generation-2 CuTe DSL kernel where it can
-# (`sm90.install_dispatch`: bf16, 16 heads per kv head, D 128, block 128, no cu_seqlens, a union of
-# at most sm90.MAX_UNION_RATIO x the selected blocks, nvidia-cutlass-dsl installed), else Triton.
-from .sm90 import install_dispatch as _install_sm90  # noqa: E402
-
-_install_sm90(_fwd_op, _fwd_impl)

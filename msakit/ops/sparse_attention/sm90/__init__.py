@@ -8,24 +8,25 @@ Hq / G = 16, D = 128, block_size = 128 and no cu_seqlens (`unsupported_reason` s
 otherwise).  Per tile of 8 consecutive queries of one group the kernel loads the union of their
 blocks (`worklist.union_worklist`) and masks per row, so its MMA work is the union size per tile
 times 128 rows: about 1x the useful work on selections whose neighbouring queries agree, several
-times it on uniform random ones (docs/kernels.md).  `install_dispatch` makes the forward custom op
-run this kernel on sm_90 CUDA tensors it supports when the union is at most `MAX_UNION_RATIO`
-times the selected blocks, the Triton KV-outer kernel otherwise (a RuntimeWarning once when a
-Hopper GPU runs without the DSL).  `MSAKIT_SPARSE_SM90=0` turns the kernel off.
+times it on uniform random ones (docs/kernels.md).  The intended dispatch runs this kernel on sm_90 CUDA tensors it supports when the union is at most `MAX_UNION_RATIO`
+times the selected blocks.
+
+Status: NOT dispatched.  On an H100 (run 27, benchmarks/NOTES.md) it compiled and ran at 417-490
+TFLOP/s on trained-like selections but its output is wrong (relative error 0.3-0.7 against the
+reference), so `sparse_attention` does not call it until the kernel passes its
+CUDA test (`tests/ops/test_sparse_sm90.py`, marked as an expected failure meanwhile).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ...dispatch import warn_once
 from .consts import BLOCK, HEAD_DIM, HPG
 from .worklist import tile_count, union_worklist, union_worklist_reference
 
-__all__ = ["dsl_available", "unsupported_reason", "sparse_attention_fwd_sm90", "install_dispatch", "union_worklist",
+__all__ = ["dsl_available", "unsupported_reason", "sparse_attention_fwd_sm90", "union_worklist",
            "union_worklist_reference", "tile_count", "MAX_UNION_RATIO", "CONFIG"]
 
 CONFIG = {"consumers": 2, "stages": 2}  # consumer warpgroups (tiles of 4 * consumers queries), pipeline stages
@@ -122,24 +123,3 @@ def union_ratio(count: torch.Tensor, block_idx: torch.Tensor) -> float:
     queries = 4 * CONFIG["consumers"]
     valid = (block_idx >= 0).sum()
     return float(count.sum() * queries) / max(1.0, float(valid))
-
-
-def install_dispatch(fwd_op, triton_impl) -> None:
-    """Register a CUDA implementation of the forward custom op `fwd_op` that runs the sm_90 kernel
-    where it can (see the module docstring) and `triton_impl` elsewhere."""
-    if fwd_op is None or not hasattr(fwd_op, "register_kernel"):
-        return
-
-    def cuda_impl(q, k, v, block_idx, cu_seqlens, block_size, scale):
-        if os.environ.get("MSAKIT_SPARSE_SM90", "1") != "0":
-            why = unsupported_reason(q, k, block_size, cu_seqlens)
-            if why is None:
-                wl = union_worklist(block_idx, 4 * CONFIG["consumers"], tile_count(q.shape[1], block_size))
-                if union_ratio(wl[1], block_idx) <= MAX_UNION_RATIO:
-                    return sparse_attention_fwd_sm90(q, k, v, block_idx, block_size, scale, worklist=wl)
-            elif why == "no nvidia-cutlass-dsl":
-                warn_once("sparse_attention:sm90", "msakit: sparse_attention on a Hopper GPU falls back to the Triton "
-                          "KV-outer forward: nvidia-cutlass-dsl is not installed (pip install msakit[hopper])")
-        return triton_impl(q, k, v, block_idx, cu_seqlens, block_size, scale)
-
-    fwd_op.register_kernel("cuda", cuda_impl)
