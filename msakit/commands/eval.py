@@ -19,7 +19,9 @@ import torch
 
 from msakit.commands import command_parser
 from msakit.eval import EvalConfig, parse_policy, run_eval
+from msakit.eval.ruler import RulerData
 from msakit.eval.runner import RULER_SAMPLES
+from msakit.models.convert import rope_scaling_dict
 from msakit.ops.index_topk import Selection
 from msakit.eval.loading import load_eval_model, load_eval_tokenizer
 from msakit.train.trainer import resolve_device
@@ -52,6 +54,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--init-blocks", default="0", metavar="N",
                    help="forced leading blocks of an HF folder's selection (its fresh index branch and the oracle); "
                         "default 0")
+    p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR[:NATIVE]",
+                   help="RoPE scaling for contexts past the native one, as transformers reads it from config.json "
+                        "(e.g. yarn:4 = YaRN, factor 4 over the config's native positions; Qwen2.5's model cards)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must be new or empty unless --resume)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished samples")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -117,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     init_blocks = _int("init-blocks", args.init_blocks, 0)
+    if args.rope_scaling:
+        rope_scaling_dict(args.rope_scaling, 1)  # checked before any loading
+    if cfg.ruler_tasks:
+        RulerData.find(cfg.ruler_data)  # the data is there (read when the samples are made)
     model_dir = Path(args.model).expanduser()
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"--model {model_dir}: no config.json (expected a model folder)")
@@ -130,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_eval_tokenizer(model_dir, args.tokenizer)
     log = lambda s: print(f"msakit eval: {s}", file=sys.stderr, flush=True)  # noqa: E731
     log(f"loading {model_dir} ({args.dtype}, {device})")
-    model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log)
+    model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log,
+                            rope_scaling=args.rope_scaling)
     with torch.inference_mode():
         run_eval(model, tokenizer, cfg, out, progress=not args.no_progress, log=log, model_name=str(model_dir))
     log(f"wrote {out / 'table.md'}, {out / 'summary.json'}, {out / 'plot.png'}"
