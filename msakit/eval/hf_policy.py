@@ -7,7 +7,9 @@ SDPA attention (logits equal the unwrapped model's); in "sparse" mode each layer
 selection policy on its q [B, T, Hq, D] and k [B, T, G, D] (after HF's RoPE) and the attention
 core (`msakit.nn.core.attend`) attends the selected blocks.  There is no index branch, so q_idx
 and k_idx are None: the ``window``, ``window0`` and ``oracle`` policies run, ``msa`` needs a
-converted model (``has_indexer`` is False).  The model is called without a KV cache.
+converted model (``has_indexer`` is False).  `forward` calls the model without a KV cache; called
+with HF's own cache (`msakit.eval.generation.greedy_generate`), each step's queries select among
+every held key.
 """
 
 from __future__ import annotations
@@ -38,12 +40,11 @@ class PolicyHandler:
         self.policy: SelectionPolicy | None = None
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        """query [B, Hq, T, D], key / value [B, G, T, D] (after RoPE) -> (out [B, T, Hq, D], None)."""
+        """query [B, Hq, T, D], key / value [B, G, Tk, D] (after RoPE; Tk > T when HF's cache holds
+        earlier positions: the queries are the last T) -> (out [B, T, Hq, D], None)."""
         if self.mode == "dense" or self.policy is None:
             return hf_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      **kwargs)
-        if query.shape[2] != key.shape[2]:
-            raise ValueError("HFPolicyModel runs without an HF KV cache (the model is called with use_cache=False)")
         q = query.transpose(1, 2).contiguous()
         k = key.transpose(1, 2).contiguous()
         v = value.transpose(1, 2).contiguous()

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from msakit.eval.hf_policy import HFPolicyModel
 from msakit.eval.runner import EvalConfig, parse_policy
-from msakit.models.convert import convert_dense_to_msa, load_for_conversion
+from msakit.models.convert import apply_rope_scaling, convert_dense_to_msa, load_for_conversion
 from msakit.models.interface import SparseModel
 from msakit.models.io import read_tokenizer_file
 
@@ -25,11 +25,14 @@ def load_eval_tokenizer(model_dir: Path, path: str | Path | None = None):
 
 
 def load_eval_model(model_dir: Path, cfg: EvalConfig, *, device: Any, dtype: Any, init_blocks: int = 0,
-                    log: Callable[[str], None] = print) -> Any:
+                    log: Callable[[str], None] = print, rope_scaling: str | None = None) -> Any:
     """Load the model folder.  A plain HF model runs window / oracle policies through
     `HFPolicyModel`; with the msa policy it gets an untrained index branch at the budget
-    (seeded by cfg.seed) instead."""
+    (seeded by cfg.seed) instead.  `rope_scaling` ("yarn:4") scales the RoPE of an HF-backed model
+    past its native context (`msakit.models.convert.apply_rope_scaling`)."""
     model = load_for_conversion(model_dir, device=device, dtype=dtype)
+    if rope_scaling:
+        log(f"rope scaling {apply_rope_scaling(model, rope_scaling)}")
     kinds = {parse_policy(p)[0] for p in cfg.policies}
     sparse = bool(kinds - {"dense", "last"})
     if sparse and not isinstance(model, SparseModel) and "msa" not in kinds:

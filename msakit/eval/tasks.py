@@ -34,7 +34,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["RETRIEVAL_TASKS", "TASK_VERSION", "Sample", "TokenPieces", "encoder", "make_sample", "make_samples", "sample_rng"]
+__all__ = ["RETRIEVAL_TASKS", "TASK_VERSION", "Sample", "TokenPieces", "decoder", "encoder", "make_sample", "make_samples", "sample_rng"]
 
 RETRIEVAL_TASKS = ("passkey", "niah", "vt")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -104,6 +104,15 @@ def encoder(tokenizer: Any) -> Encode:
         return lambda text: [int(t) for t in tokenizer(text)]
     raise ValueError(f"tokenizer must be a tokenizers.Tokenizer, a transformers tokenizer or a callable, "
                      f"got {type(tokenizer).__name__}")
+
+
+def decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """A token ids -> text function for a `tokenizers.Tokenizer` or a transformers tokenizer (special
+    tokens dropped); ValueError for a tokenizer without ``decode``."""
+    if not hasattr(tokenizer, "decode"):
+        raise ValueError(f"generation needs a tokenizer with decode (tokenizers or transformers), got "
+                         f"{type(tokenizer).__name__}")
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 def sample_rng(seed: int, *parts: object) -> random.Random:

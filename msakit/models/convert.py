@@ -12,7 +12,8 @@ Two sources:
 
 Both return a model in "dense" mode with the `msakit.models.interface.MSAModel` interface.
 `load_for_conversion(path)` picks the loader by config.json's model_type;
-`init_index_from_qk(model)` starts the index branches from the main q/k projections.
+`init_index_from_qk(model)` starts the index branches from the main q/k projections;
+`apply_rope_scaling(model, "yarn:4")` sets an HF model's rope scaling (YaRN past the native context).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from msakit.nn.norm import GemmaRMSNorm
 
 __all__ = [
     "INDEX_INITS",
+    "apply_rope_scaling",
     "convert_dense_to_msa",
     "init_index_from_qk",
     "load_for_conversion",
@@ -228,3 +230,64 @@ def init_index_from_qk(model: nn.Module) -> None:
                 index.weight.copy_(norm.weight.float() - 1.0)  # HF RMSNorm scales by weight, Gemma's by 1 + weight
             else:
                 index.weight.zero_()
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE scaling (contexts past the native one)
+# ---------------------------------------------------------------------------------------------
+
+ROPE_SCALINGS = ("yarn", "linear", "dynamic")
+
+
+def rope_scaling_dict(spec: str, native: int) -> dict[str, Any]:
+    """"yarn:4" or "yarn:4:32768" -> transformers' rope-scaling dict ({"rope_type": "yarn", "factor": 4.0,
+    "original_max_position_embeddings": 32768}; the native context `native` when not given)."""
+    parts = str(spec).split(":")
+    if len(parts) not in (2, 3) or parts[0] not in ROPE_SCALINGS:
+        raise ValueError(f"rope scaling must be TYPE:FACTOR[:NATIVE] with TYPE one of {', '.join(ROPE_SCALINGS)}, "
+                         f"got {spec!r}")
+    try:
+        factor = float(parts[1])
+        orig = int(parts[2]) if len(parts) == 3 else int(native)
+    except ValueError:
+        raise ValueError(f"rope scaling {spec!r}: FACTOR must be a number and NATIVE an integer") from None
+    if not (factor > 1.0 and factor < 1e6) or orig < 1:
+        raise ValueError(f"rope scaling {spec!r}: FACTOR must be > 1 and NATIVE >= 1")
+    return {"rope_type": parts[0], "type": parts[0], "factor": factor, "original_max_position_embeddings": orig}
+
+
+def apply_rope_scaling(model: nn.Module, spec: str) -> dict[str, Any]:
+    """Give an HF-backed model (a transformers causal LM, `MSAWrappedModel`, an eval wrapper with
+    ``.hf``) the rope scaling `spec` ("yarn:4": YaRN, factor 4, over the config's native positions),
+    as transformers does when config.json holds it: the config's ``rope_scaling`` (and
+    ``rope_parameters``, keeping rope_theta) are set, ``max_position_embeddings`` becomes factor x
+    native, and every rotary-embedding module is rebuilt from the config.  The main attention then
+    runs HF's own scaled RoPE (MSA's handlers receive q and k after it); the index branch keeps its
+    own unscaled partial RoPE.  Saving the model writes the scaling into config.json.  Returns the
+    scaling dict."""
+    hf = getattr(model, "hf", model)
+    cfg = getattr(hf, "config", None)
+    if cfg is None or not hasattr(cfg, "max_position_embeddings"):
+        raise ValueError(f"rope scaling needs an HF model with a config, got {type(model).__name__}")
+    held = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if held.get("rope_type", held.get("type", "default")) != "default":
+        raise ValueError(f"the model already has rope scaling {held}")
+    scaling = rope_scaling_dict(spec, cfg.max_position_embeddings)
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", float(getattr(cfg, "rope_theta", 10000.0)))
+    params.update(scaling)
+    if hasattr(cfg, "rope_parameters"):  # transformers 5: rope_scaling is its deprecated alias
+        cfg.rope_parameters = params
+    else:
+        cfg.rope_scaling = params
+    cfg.max_position_embeddings = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    rebuilt = 0
+    for name, mod in list(hf.named_modules()):
+        if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "inv_freq"):
+            new = type(mod)(config=cfg).to(mod.inv_freq.device)
+            parent = hf.get_submodule(name.rsplit(".", 1)[0]) if "." in name else hf
+            setattr(parent, name.rsplit(".", 1)[-1], new)
+            rebuilt += 1
+    if not rebuilt:
+        raise ValueError(f"no rotary-embedding module found in {type(hf).__name__}")
+    return scaling

@@ -258,8 +258,12 @@ class MSAHandler:
             k_idx = _held_index_keys(hf_cache, layer, k_idx, Tk - Tq)
             if Tq != Tk:
                 if st.mode == "sparse":
+                    block_idx = None
+                    if st.policy is not None:  # an evaluation policy decoding with HF's cache
+                        with torch.no_grad():
+                            block_idx = st.policy(layer, q, k, q_idx, k_idx, cfg.selection)
                     return attend(q, q_idx, HeldKeys(k, v, k_idx), cfg.selection, mode="sparse",
-                                  softmax_scale=scaling)[0], None
+                                  softmax_scale=scaling, block_idx=block_idx)[0], None
                 return hf_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, **kwargs)
         elif Tq != Tk:

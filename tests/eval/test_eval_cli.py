@@ -84,7 +84,7 @@ def test_eval_hf_folder_window_oracle(hf_dir, tmp_path):
 @pytest.mark.parametrize("opt,val,match", [
     ("--budget", "64x8", "budget"), ("--policies", "dense,random", "policies"), ("--lengths", "4k", "lengths"),
     ("--depths", "0.5,x", "depths"), ("--tasks", "loss,qa", "task"), ("--samples", "0", "samples"),
-    ("--dtype", "int8", "dtype"),
+    ("--dtype", "int8", "dtype"), ("--rope-scaling", "yarn", "rope scaling"), ("--ruler-samples", "0", "ruler-samples"),
 ])
 def test_bad_input_one_line(hf_dir, tmp_path, capsys, opt, val, match):
     argv = ["eval", "--model", str(hf_dir), "--out", str(tmp_path / "x"), opt, val]
@@ -97,3 +97,21 @@ def test_bad_input_one_line(hf_dir, tmp_path, capsys, opt, val, match):
 def test_missing_model(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_eval_ruler_task_with_yarn(hf_dir, tmp_path, capsys):
+    from ruler_fakes import write_ruler_data
+
+    data = write_ruler_data(tmp_path / "rdata")
+    out = tmp_path / "ruler"
+    argv = ["eval", "--model", str(hf_dir), "--tasks", "qa_1", "--lengths", "2048", "--policies", "dense,window0",
+            "--budget", "block32-top4", "--ruler-samples", "1", "--ruler-data", str(data), "--rope-scaling", "yarn:2",
+            "--out", str(out), "--device", "cpu", "--no-progress"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ruler"]["scores"]["dense"]["qa_1"]["2048"]["n"] == 1
+    assert "rope scaling" in capsys.readouterr().err and (out / "ruler.png").is_file()
+    assert main(argv[:-5] + ["--ruler-data", str(tmp_path / "none"), "--out", str(tmp_path / "r2"), "--device", "cpu",
+                             "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "msakit[ruler]" in err[0]
