@@ -3,7 +3,7 @@ decode and against msakit's own bytes-read floor, in one run on one GPU.
 
 One layer of the M3 shape: Hq=64, G=4, D=128, Di=128, page = block 128, top-16, bf16 K/V, index
 keys bf16 or fp8 e4m3; nq new tokens per sequence (1, or 2-8 for speculative verification); each
-launch of `DecodeTiling.launch` ("split": the multi-launch path, "persistent", "ticket": one launch)
+launch of `DecodeTiling.launch` ("split": the multi-launch path, "ticket": one launch)
 timed in the same run.  Dense baseline: SDPA with a group's 16 query heads packed as 16 query
 rows over that group's K/V (batch*G as the batch dim), the fastest backend that takes it.
 Floor: bytes of all index keys + the top-k blocks of K and V, over 4.16 TB/s.  Calls are timed
@@ -12,7 +12,7 @@ inside CUDA graphs, with an L2 flush before each call ("cold", the headline: the
 flush (clean L2 lines: the write-back share of the headline), at B = 1.
 
     python benchmarks/decode.py [--B 1 8] [--N 16384 131072 1048576] [--idx bf16 fp8] [--nq 1 2 4 8]
-                                [--launch split persistent ticket] [--no-check] [--read-flush] [--quick]
+                                [--launch split ticket] [--no-check] [--read-flush] [--quick]
 
 `model.generate` tokens/s is benchmarks/generate.py.  Writes benchmarks/results/decode_<gpu>.json
 (and --out / $OUT), a PNG, and prints a table.  Bars (H200): >= 7.6x dense at 1M B=1 (bf16 index

@@ -179,7 +179,7 @@ def test_decode_main_with_a_fake_bench(tmp_path, monkeypatch):
     row = lambda B, N, idx: {"B": B, "N": N, "idx": idx, "nq": 1, "msa_ms": 0.1, "floor_ms": 0.05,  # noqa: E731
                              "vs_floor": 2.0, "dense_ms": 0.5, "speedup": 5.0}
     fake = types.SimpleNamespace(
-        HQ=64, G=4, D=128, DI=128, PS=128, TOPK=16, READ_BW=4.16e12, LAUNCHES=("split", "persistent", "ticket"),
+        HQ=64, G=4, D=128, DI=128, PS=128, TOPK=16, READ_BW=4.16e12, LAUNCHES=("split", "ticket"),
         graph_check=lambda launches: {"ok": True},
         run=lambda Bs, Ns, idxs, nq=(1,), launches=("split",): calls.setdefault(
             "run", [row(B, N, i) for N in Ns for B in Bs for i in idxs]),

@@ -26,7 +26,7 @@ import torch
 from msakit.ops.decode.reference import FP8, PagedLayer
 
 HQ, G, D, DI, PS, TOPK = 64, 4, 128, 128, 128, 16
-LAUNCHES = ("split", "persistent", "ticket")  # DecodeTiling.launch
+LAUNCHES = ("split", "ticket")  # DecodeTiling.launch (without "auto", which picks one of them)
 READ_BW = 4.16e12  # measured H200 read bandwidth (bytes / s)
 REPS_IN_GRAPH = 10
 
@@ -182,7 +182,7 @@ def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, fl
                detail: bool = True, read_flush: bool = False, launch: str = "split") -> dict:
     """Times msa_decode (CUDA graph, cold and hot) and, for the multi-launch path, its selection
     phase alone (read_flush: also cold after a read-only flush, msa_read_ms, see _flush_fn).
-    launch: `DecodeTiling.launch` ("split", "persistent", "ticket")."""
+    launch: `DecodeTiling.launch` ("split", "ticket" or "auto")."""
     from msakit.ops.decode import DecodeTiling, msa_decode, plan_decode
     from msakit.ops.decode import triton as kernels
 
@@ -204,7 +204,7 @@ def bench_case(B: int, N: int, *, idx: str = "bf16", nq: int = 1, pools=None, fl
     row = {"B": B, "N": N, "idx": idx, "nq": nq, "launch": launch, "splits": plan.score_splits,
            "attn_splits": plan.attn_splits, "score_stages": plan.score_stages, "score_warps": plan.score_warps,
            "score_impl": plan.score_impl, "fuse_combine": plan.fuse_combine, "programs": plan.programs,
-           "one_launch_warps": plan.persistent_warps, "maxnreg": plan.maxnreg}
+           "one_launch_warps": plan.one_warps}
     row["msa_ms"] = graph_ms(fn, flush=flush)
     row["floor_ms"] = floor_bytes(B, N, idx) / READ_BW * 1e3
     row["vs_floor"] = row["msa_ms"] / row["floor_ms"]
@@ -471,14 +471,13 @@ def compile_report(arch: int = 90) -> list[dict]:
                           KV_FP8=False, CODE=0, FUSE_COMBINE=fuse, NSA_PAD=16, RETURN_LSE=False)
             rows.append(build(f"attn nq={nq}{' fused combine' if fuse else ''}", K._attn_kernel, sig, consts,
                               num_warps=4 if ma <= 64 else 8, num_stages=1))
-            for loop in (True, False):
-                rows.append(_compile_persistent(build, K, idx, nq, loop=loop))
+            rows.append(_compile_ticket(build, K, idx, nq))
     return rows
 
 
-def _compile_persistent(build, K, idx: str, nq: int, loop: bool = True) -> dict:
-    """`_persistent_kernel` at the M3 shape with the warps, stages and register cap that
-    plan_decode gives launch "persistent" (loop) or "ticket" (default ctas_per_sm = 2)."""
+def _compile_ticket(build, K, idx: str, nq: int) -> dict:
+    """`_ticket_kernel` at the M3 shape with the warps and stages that plan_decode gives launch
+    "ticket"."""
     import triton
 
     fp8 = idx == "fp8"
@@ -487,8 +486,6 @@ def _compile_persistent(build, K, idx: str, nq: int, loop: bool = True) -> dict:
     qc = min(nq, 128 // hpg)
     ma = max(16, triton.next_power_of_2(qc * hpg))
     warps = (4 if ma <= 32 else 8) if fp8 else 8
-    cap = 65536 // (2 * warps * 32) // 8 * 8
-    maxnreg = cap if loop and cap < 255 else None
     stages = 7 if fp8 else 5
     sig = dict(qi_ptr="*bf16", kidx_ptr="*fp8e4nv" if fp8 else "*bf16",
                kdesc=f"tensordesc<fp8e4nv[{PS}, {DI}]>" if fp8 else "*i32", kscale_ptr="*fp32", pt_ptr="*i32",
@@ -499,7 +496,5 @@ def _compile_persistent(build, K, idx: str, nq: int, loop: bool = True) -> dict:
     consts = dict(NQ=nq, G=G, DI=DI, PS=PS, TOPK=TOPK, KP=16, MP=max(16, mr), MR=mr, LOCAL=1, INIT=0,
                   CODE_IDX=3 if fp8 else 0, V2=fp8, TMA=fp8, PCH=32, CL=16, NC_PAD=16,
                   RB1=K._rows_per_merge(mr, 256), RB2=K._rows_per_merge(mr, 256), NUM_STAGES=stages, HPG=hpg, D=D,
-                  QC=qc, NQC=-(-nq // qc), MA=ma, KV_FP8=False, CODE_KV=0, NSA_PAD=16, RETURN_LSE=False, LOOP=loop)
-    opts = {} if maxnreg is None else {"maxnreg": maxnreg}
-    return build(f"{'persistent' if loop else 'ticket'} {idx} nq={nq}", K._persistent_kernel, sig, consts,
-                 num_warps=warps, num_stages=stages, **opts)
+                  QC=qc, NQC=-(-nq // qc), MA=ma, KV_FP8=False, CODE_KV=0, NSA_PAD=16, RETURN_LSE=False)
+    return build(f"ticket {idx} nq={nq}", K._ticket_kernel, sig, consts, num_warps=warps, num_stages=stages)

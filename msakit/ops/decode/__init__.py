@@ -26,10 +26,13 @@ grids depend only on the shapes, so it can be captured once and replayed for any
 fit the page table.  Without a plan, msa_decode builds one (eager use).  One plan serves all
 layers of a forward (the page table is shared) but must not run on two streams at once.
 
-Launches (`DecodeTiling.launch`): "split" (default: scoring, attention and, for 16-bit / fp32
-index keys, a combine kernel, one launch each) or one launch of the whole step ("persistent":
-a grid of ~2 programs per SM looping over work items; "ticket": one program per item), the same
-work items and math (kernels in triton.py).  For nq > 1 every launch reads each index-key page
+Launches (`DecodeTiling.launch`): "split" (scoring, attention and, for 16-bit / fp32 index
+keys, a combine kernel, one launch each) or "ticket" (one launch of the whole step, one program
+per work item), the same work items and math (kernels in triton.py); "auto" (the default) takes
+"ticket" for fp8 index keys with nq >= 2 and "split" otherwise (measured on an H100 at 1M, batch
+1: split 118 / 81 us against ticket 123 / 84 at nq = 1 with bf16 / fp8 keys; at nq = 4 split 154
+against 208 with bf16 keys, ticket 169 against 204 with fp8 keys; benchmarks/NOTES.md run 28,
+where a third launch, ~2 programs per SM looping over the items, lost everywhere and was removed).  For nq > 1 every launch reads each index-key page
 once for all nq * G index queries and each selected K / V page once per (group, query chunk of up
 to 128 / heads-per-group queries) for all the queries that selected it.
 """
@@ -52,7 +55,7 @@ MAX_NQ = 8
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SCORE_PROGRAMS_PER_SM = 2  # scoring programs per SM over the batch (default score_splits)
 MIN_PAGES_PER_SPLIT = 4  # fewer, longer splits below this: fewer lists to merge
-LAUNCHES = ("split", "persistent", "ticket")
+LAUNCHES = ("auto", "split", "ticket")
 
 
 def _pow2(x: int) -> int:
@@ -77,24 +80,20 @@ class DecodeTiling:
     end_chunk: pages per chunk of the v2 scoring's final top-k pass (a power of two, raised to the
     top-k; one value for every shape keeps the number of compiled variants small).
     launch: "split" (the multi-launch path: scoring grid, attention grid, combine grid for v1),
-    "persistent" (one launch: at most ctas_per_sm x SMs programs take the scoring and attention
-    items from a ticket counter until none is left) or "ticket" (one launch with one program per
-    item, each taking its item from the ticket counter).
-    ctas_per_sm: programs per SM of the persistent grid; its register cap (`maxnreg`) lets that
-    many programs be resident."""
+    "ticket" (one launch with one program per item, each taking its item from a ticket counter)
+    or "auto" ("ticket" for fp8 index keys with nq >= 2, else "split": the module docstring)."""
 
     score_splits: int | None = None
     cluster: int | None = None
     attn_splits: int | None = None
     merge_budget: int = 4096
     end_chunk: int = 32
-    launch: str = "split"
-    ctas_per_sm: int = 2
+    launch: str = "auto"
 
     def __post_init__(self) -> None:
         if self.launch not in LAUNCHES:
             raise ValueError(f"DecodeTiling.launch must be one of {LAUNCHES}, got {self.launch!r}")
-        for name in ("score_splits", "cluster", "attn_splits", "merge_budget", "end_chunk", "ctas_per_sm"):
+        for name in ("score_splits", "cluster", "attn_splits", "merge_budget", "end_chunk"):
             val = getattr(self, name)
             if val is None and name in ("score_splits", "cluster", "attn_splits"):
                 continue
@@ -111,10 +110,9 @@ class DecodePlan:
     score_impl: "v1" (bf16 / fp16 / fp32 index keys: a running top-k per page, then the
     combine kernel) or "v2" (fp8 index keys: the page as the MMA's M dimension, block maxima
     then one top-k per split, the last attention split merging the partials: fuse_combine).
-    launch: see `DecodeTiling`.  "persistent" and "ticket" run `programs` programs of
-    `persistent_warps` warps (registers capped at `maxnreg`, None: no cap) with the fused
-    combine; work int32 [2 + batch] holds their ticket and exit counters and per-sequence ready
-    flags (0 between calls)."""
+    launch: "split" or "ticket" (`DecodeTiling`; "auto" resolved).  "ticket" runs `programs`
+    programs of `one_warps` warps with the fused combine; work int32 [2 + batch] holds its ticket
+    and exit counters and per-sequence ready flags (0 between calls)."""
 
     batch: int
     nq: int
@@ -156,8 +154,7 @@ class DecodePlan:
     cnt3: torch.Tensor
     launch: str
     programs: int
-    persistent_warps: int
-    maxnreg: int | None
+    one_warps: int
     work: torch.Tensor
 
     def key(self) -> tuple:
@@ -250,8 +247,8 @@ def plan_decode(
     the key pages through a tensor map when the pool allows one (`triton._tma_ok`), else by
     pointer loads.  tiling: `DecodeTiling` (default: ~2 scoring programs per SM and at least
     MIN_PAGES_PER_SPLIT pages per split, ~2 attention programs per SM; the multi-launch path).
-    The one-launch kernels (`DecodeTiling(launch="persistent" | "ticket")`) take the same work
-    items with the scoring's stages and warps (8 for v1; v2: 4, 8 above 32 attention rows)."""
+    The one-launch kernel (`DecodeTiling(launch="ticket")`) takes the same work items with the
+    scoring's stages and warps (8 for v1; v2: 4, 8 above 32 attention rows)."""
     _check_pools(pools)
     check_selection(pools.page_size, topk, local_blocks, init_blocks)
     for name, val in (("batch", batch), ("nq", nq), ("num_heads", num_heads), ("width", width)):
@@ -316,18 +313,15 @@ def plan_decode(
     attn_warps = 4 if ma <= 64 else 8
     items = batch * S + batch * G * nqc * NSA
     one_warps = score_warps if not v2 else (4 if ma <= 32 else 8)
-    programs = items
-    maxnreg = None
-    if tiling.launch == "persistent":
-        programs = min(items, tiling.ctas_per_sm * num_sms)
-        cap = 65536 // (tiling.ctas_per_sm * one_warps * 32) // 8 * 8  # registers per thread for ctas_per_sm CTAs
-        maxnreg = cap if cap < 255 else None
+    launch = tiling.launch
+    if launch == "auto":
+        launch = "ticket" if v2 and nq >= 2 else "split"
     return DecodePlan(
         batch=batch, nq=nq, num_heads=num_heads, num_kv_heads=G, head_dim=D, index_dim=Di, page_size=ps,
         width=width, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, score_splits=S,
         score_impl="v2" if v2 else "v1", pch=max(kp, _pow2(tiling.end_chunk)),
         cluster=cluster, num_clusters=NC, merge_budget=tiling.merge_budget, attn_splits=NSA, qc=qc, nqc=nqc,
-        ma=ma, mp=mp, mr=mr, kp=kp, fuse_combine=v2 or tiling.launch != "split", score_warps=score_warps,
+        ma=ma, mp=mp, mr=mr, kp=kp, fuse_combine=v2 or launch != "split", score_warps=score_warps,
         score_stages=stages, attn_warps=attn_warps, device=dev,
         cand=torch.empty(batch, S, mr, kp, dtype=i64, device=dev),
         cand2=torch.empty(batch, NC, mr, kp, dtype=i64, device=dev),
@@ -338,7 +332,7 @@ def plan_decode(
         lse_part=torch.empty(batch, G, nqc, NSA, ma, dtype=f32, device=dev),
         bmax=torch.empty(batch, width, mr, dtype=f32, device=dev) if v2 else None,
         cnt3=torch.zeros(batch, G, nqc, dtype=i32, device=dev),
-        launch=tiling.launch, programs=programs, persistent_warps=one_warps, maxnreg=maxnreg,
+        launch=launch, programs=items, one_warps=one_warps,
         work=torch.zeros(2 + batch, dtype=i32, device=dev),
     )
 

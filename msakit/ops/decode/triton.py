@@ -39,7 +39,7 @@ two with v2 (`plan_decode` picks by the index keys' dtype: v1 for bf16 / fp16 / 
    partials itself and the third launch is skipped.
 3. `_combine_kernel` (v1), grid (QC * hpg, G * NQC, B): LSE merge of the NSA partials.
 
-One launch (`DecodeTiling(launch="persistent" | "ticket")`): `_persistent_kernel` runs the same
+One launch (`DecodeTiling(launch="ticket")`): `_ticket_kernel` runs the same
 phases from the same @triton.jit helpers (`_score_v1` / `_score_v2` with their merges, `_attend`
 with the fused combine).  Its programs take work items from an atomic ticket counter in order:
 the scoring splits of every sequence first (sequence-major), then the attention splits.  The
@@ -48,11 +48,9 @@ barrier); an attention item spins on its sequence's flag (acquire loads) and rea
 L1; the last attention split of a (sequence, group, query chunk) combines.  Since every scoring
 ticket precedes every attention ticket, a spinning program waits only on items that running
 programs hold and that wait on nothing: no deadlock whatever the grid and residency, and under
-TRITON_INTERPRET=1 (programs one after another) program 0 takes every item.  "persistent": at
-most ctas_per_sm x SMs programs loop over tickets until none is left (registers capped so that
-ctas_per_sm fit: the loop keeps its loop-invariant values live across both phases); "ticket": one
-program per item, each taking one ticket.  The last program to leave resets the ticket and exit
-counters and the flags to 0 for the next call.
+TRITON_INTERPRET=1 (programs one after another) program 0 takes every item.  One program per
+item, each taking one ticket.  The last program to leave resets the ticket and exit counters and
+the flags to 0 for the next call.
 
 Everything reads the lengths from device memory; grids depend on shapes only (batch, nq,
 the page-table width through the plan), so one capture serves every replay.
@@ -471,7 +469,7 @@ def _attend(
 ):
     """Attention split s of (sequence b, group-and-query-chunk rc): a normalized partial and its
     log2-sum-exp per row; with FUSE_COMBINE the last split to finish merges the NSA partials.
-    block_idx is read past L1 (.cg): in the persistent kernel another CTA wrote it."""
+    block_idx is read past L1 (.cg): in the one-launch kernel another CTA wrote it."""
     r = rc // NQC
     qc = rc % NQC
     b64 = b.to(tl.int64)
@@ -502,7 +500,7 @@ def _attend(
     m_i = tl.full([MA], float("-inf"), tl.float32)
     l_i = tl.zeros([MA], tl.float32)
     acc = tl.zeros([MA, D], tl.float32)
-    for e in tl.range(e0, e1, num_stages=1):  # (the persistent kernel's num_stages is the scoring's)
+    for e in tl.range(e0, e1, num_stages=1):  # (the one-launch kernel's num_stages is the scoring's)
         blk = tl.max(tl.max(tl.where(flat == e, sel, -1), axis=1), axis=0)  # entry e, from registers
         hit = sel == blk
         first = tl.min(tl.min(tl.where(hit, flat, E), axis=1), axis=0)
@@ -598,7 +596,7 @@ def _combine_kernel(
 
 
 @triton.jit
-def _persistent_kernel(
+def _ticket_kernel(
     qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr,
     cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W,
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr, o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA,
@@ -610,27 +608,17 @@ def _persistent_kernel(
     CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr, NUM_STAGES: tl.constexpr,
     HPG: tl.constexpr, D: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
     KV_FP8: tl.constexpr, CODE_KV: tl.constexpr, NSA_PAD: tl.constexpr, RETURN_LSE: tl.constexpr,
-    LOOP: tl.constexpr,
 ):
-    """The whole decode step of one layer in one launch (see the module docstring).
+    """The whole decode step of one layer in one launch (see the module docstring), one program
+    per work item.
 
     work_ptr: int32 [2 + B] = (ticket counter, exit counter, one ready flag per sequence), all 0
     on entry and reset to 0 by the last program to leave.  Tickets [0, B * S) are the scoring
     items (sequence-major), [B * S, B * S + B * G * NQC * NSA) the attention items
-    (sequence-major, then group-and-query-chunk, then split).  LOOP: each program takes tickets
-    until none is left (grid <= resident programs); else each program takes one ticket (grid =
-    the number of items)."""
+    (sequence-major, then group-and-query-chunk, then split)."""
     total = B * S + B * G * NQC * NSA
     t = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
-    if LOOP:
-        while t < total:
-            _work_item(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
-                       cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr,
-                       o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA, work_ptr + 2, t, B * S, NQ, G, DI, PS, TOPK, KP, MP, MR,
-                       LOCAL, INIT, CODE_IDX, V2, TMA, PCH, CL, NC_PAD, RB1, RB2, NUM_STAGES, HPG, D, QC, NQC, MA,
-                       KV_FP8, CODE_KV, NSA_PAD, RETURN_LSE)
-            t = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
-    elif t < total:
+    if t < total:
         _work_item(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
                    cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr,
                    o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA, work_ptr + 2, t, B * S, NQ, G, DI, PS, TOPK, KP, MP, MR,
@@ -660,7 +648,7 @@ def _work_item(
     HPG: tl.constexpr, D: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
     KV_FP8: tl.constexpr, CODE_KV: tl.constexpr, NSA_PAD: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
-    """Work item t of `_persistent_kernel`: a scoring split (its final merge raises the
+    """Work item t of `_ticket_kernel`: a scoring split (its final merge raises the
     sequence's ready flag), or an attention split that first waits for that flag."""
     if t < n_score:
         b = t // S
@@ -710,7 +698,7 @@ def next_pow2(x: int) -> int:
 def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse: bool, phases: str = "all"):
     """Runs the phases with the plan's workspace; returns (o, lse or None).
     phases="select" stops after the selection (for benchmarks of the multi-launch path; returns
-    (None, None)).  A "persistent" or "ticket" plan runs `_persistent_kernel` (one launch)."""
+    (None, None)).  A "ticket" plan runs `_ticket_kernel` (one launch)."""
     B, NQ, HQ, D = q.shape
     G, DI, PS = pools.num_kv_heads, pools.index_dim, pools.page_size
     HPG = HQ // G
@@ -739,13 +727,12 @@ def launch(plan, q, q_idx, pools, page_table, seq_lens, scale: float, return_lse
             raise ValueError(f"a {plan.launch!r} plan runs every phase in one launch (phases='all')")
         o = torch.empty_like(q)
         lse = torch.empty(B, HQ, NQ, dtype=torch.float32, device=q.device) if return_lse else dummy
-        _persistent_kernel[(plan.programs,)](
+        _ticket_kernel[(plan.programs,)](
             q_idx, pools.k_idx, kdesc, pools.k_idx_scale if v2 else dummy, page_table, pt_stride, seq_lens,
             plan.bmax if v2 else dummy, plan.cand, plan.cand2, plan.cnt1, plan.cnt2, plan.block_idx, S, NC,
             page_table.shape[1], q, pools.k, pools.v, *kv_scales, plan.o_part, plan.lse_part, o, lse, plan.cnt3,
             scale * LOG2E, NSA, plan.work, B, CODE_IDX=code_idx, V2=v2, TMA=tma, PCH=plan.pch, CODE_KV=code_kv,
-            LOOP=plan.launch == "persistent", **score_kw, **attn_kw, num_warps=plan.persistent_warps,
-            num_stages=plan.score_stages, **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
+            **score_kw, **attn_kw, num_warps=plan.one_warps, num_stages=plan.score_stages,
         )
         return o, (lse if return_lse else None)
     launch_kw = dict(num_warps=plan.score_warps, num_stages=plan.score_stages)

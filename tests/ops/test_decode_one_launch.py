@@ -1,5 +1,5 @@
-"""msa_decode's one-launch kernels (`DecodeTiling(launch="persistent" | "ticket")`): scoring,
-selection merges, attention and the fused combine in one `_persistent_kernel` launch whose
+"""msa_decode's one-launch kernel (`DecodeTiling(launch="ticket")`): scoring, selection merges,
+attention and the fused combine in one `_ticket_kernel` launch whose
 programs take work items from a ticket counter.  Triton under TRITON_INTERPRET=1 (programs run one
 after another: program 0 takes every item) against the paged reference at small shapes, with
 unused pool pages and the slots past each sequence's end poisoned with NaN.  On a GPU the same
@@ -15,7 +15,7 @@ from test_decode_v2 import build as build_cache
 
 from msakit.ops.decode import DecodeTiling, msa_decode, msa_decode_reference, plan_decode
 
-ONE_LAUNCH = ("persistent", "ticket")
+ONE_LAUNCH = ("ticket",)
 
 
 def _poison(x: torch.Tensor, sel) -> None:
@@ -122,13 +122,13 @@ def test_one_launch_bf16(launch, idx, nq):
 def test_one_launch_repeats_and_equals_split(launch):
     """A second call with the same plan (the reset queue) gives the same result, equal to the
     multi-launch path's up to float32 summation order (v1: the combine kernel there, the fused
-    combine here); a persistent grid of fewer programs than items."""
+    combine here)."""
     lens = [150, 8, 190]
     cache, sids = build(lens, seed=13)
     q, qi = queries(len(lens), 2)
     meta = cache.decode_metadata(sids)
     outs = {}
-    for name, tiling in (("split", DecodeTiling()), (launch, DecodeTiling(launch=launch, ctas_per_sm=1))):
+    for name, tiling in (("split", DecodeTiling(launch="split")), (launch, DecodeTiling(launch=launch))):
         plan = plan_decode(cache.layer(0), batch=len(lens), nq=2, num_heads=HQ, width=meta.width, topk=4,
                            tiling=tiling)
         outs[name] = [msa_decode(q, qi, cache.layer(0), meta.page_table, meta.seq_lens, plan=plan, topk=4,
@@ -136,7 +136,7 @@ def test_one_launch_repeats_and_equals_split(launch):
         outs[name] = [tuple(t.clone() for t in r) for r in outs[name]]
         if name != "split":
             items = len(lens) * plan.score_splits + len(lens) * G * plan.nqc * plan.attn_splits
-            assert plan.programs == (items if launch == "ticket" else min(items, 4))  # 4 "SMs" on the CPU
+            assert plan.programs == items
             assert queue_reset(plan)
     (o1, l1, b1), (o2, l2, b2) = outs[launch]
     assert torch.equal(o1, o2) and torch.equal(l1, l2) and torch.equal(b1, b2)
@@ -147,30 +147,32 @@ def test_one_launch_repeats_and_equals_split(launch):
 
 
 def test_one_launch_plan_fields():
-    """Warps, register cap and grid of the one-launch plans (the split path's shapes unchanged)."""
+    """Warps and grid of the one-launch plan (the split path's shapes unchanged); "auto" picks
+    "ticket" for fp8 index keys with nq >= 2 only."""
     cache, sids = build([300, 40], kv=torch.bfloat16, idx=torch.bfloat16)
     meta = cache.decode_metadata(sids)
     mk = lambda **kw: plan_decode(cache.layer(0), batch=2, nq=kw.pop("nq", 1), num_heads=HQ,  # noqa: E731
                                   width=meta.width, tiling=DecodeTiling(**kw))
-    split, pers, tick = mk(), mk(launch="persistent"), mk(launch="ticket")
+    split, tick = mk(launch="split"), mk(launch="ticket")
     assert split.launch == "split" and not split.fuse_combine  # v1 keeps its combine kernel
-    assert (pers.score_splits, pers.attn_splits) == (split.score_splits, split.attn_splits)
-    assert pers.persistent_warps == tick.persistent_warps == 8
-    assert pers.maxnreg == 128 and tick.maxnreg is None  # 2 programs of 8 warps per SM
-    assert mk(launch="persistent", ctas_per_sm=1).maxnreg is None
+    assert (tick.score_splits, tick.attn_splits) == (split.score_splits, split.attn_splits)
+    assert tick.one_warps == 8 and tick.fuse_combine
+    assert mk().launch == mk(nq=4).launch == "split"  # bf16 index keys: "auto" is the split path
     c8, s8 = build([300, 40], kv=torch.bfloat16, idx=FP8)
     m8 = c8.decode_metadata(s8)
     for nq, warps in ((1, 4), (2, 4), (4, 8), (8, 8)):  # 16 heads per group: 16 * nq attention rows
         p = plan_decode(c8.layer(0), batch=2, nq=nq, num_heads=16 * G, width=m8.width,
                         tiling=DecodeTiling(launch="ticket"))
-        assert p.persistent_warps == warps
+        assert p.one_warps == warps
+        auto = plan_decode(c8.layer(0), batch=2, nq=nq, num_heads=16 * G, width=m8.width)
+        assert auto.launch == ("ticket" if nq >= 2 else "split")
     for bad in ("fused", "", None):
         with pytest.raises(ValueError, match="DecodeTiling.launch"):
             DecodeTiling(launch=bad)
-    with pytest.raises(ValueError, match="DecodeTiling.ctas_per_sm"):
-        DecodeTiling(ctas_per_sm=0)
+    with pytest.raises(ValueError, match="DecodeTiling.launch"):
+        DecodeTiling(launch="persistent")  # measured and removed (run 28)
     from msakit.ops.decode.triton import launch
 
     q, qi = queries(2, 1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one launch"):
-        launch(pers, q, qi, cache.layer(0), meta.page_table, meta.seq_lens, 0.1, False, phases="select")
+        launch(tick, q, qi, cache.layer(0), meta.page_table, meta.seq_lens, 0.1, False, phases="select")
