@@ -83,16 +83,39 @@ def check_index_qk(q_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple[int, int, 
     return B, T, G, Di
 
 
-def check_finite(name: str, x: torch.Tensor) -> None:
-    """ValueError when x holds NaN or inf (reads x: a host sync on CUDA)."""
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} holds NaN or inf")
+def check_finite_inputs(**tensors: torch.Tensor | None) -> None:
+    """ValueError naming the first of `tensors` (keyword = argument name; None skipped) that holds
+    NaN or inf: the ops' opt-in `check_finite`.  One host sync on CUDA for all of them."""
+    named = [(n, t) for n, t in tensors.items() if t is not None and t.numel()]
+    if not named:
+        return
+    ok = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named]).tolist()
+    for (n, _), good in zip(named, ok):
+        if not good:
+            raise ValueError(f"{n} holds NaN or inf")
+
+
+def own_blocks(T: int, block_size: int, device: torch.device, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """long [T]: the block of each query, position // block_size, the position counted from the
+    start of the query's document when cu_seqlens (int [ndocs + 1], checked) packs documents along T."""
+    pos = torch.arange(T, device=device)
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        doc = torch.searchsorted(cu, pos, right=True) - 1  # the last document starting at or before i
+        pos = pos - cu[doc.clamp(0, cu.numel() - 1)]
+    return pos // block_size
 
 
 def check_block_idx(
-    block_idx: torch.Tensor, B: int, G: int, T: int, block_size: int, device: torch.device, *, check_values: bool = True
+    block_idx: torch.Tensor, B: int, G: int, T: int, block_size: int, device: torch.device, *, check_values: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> int:
-    """Checks block_idx int32/int64 [B, G, T, topk] with ids in [-1, ceil(T / block_size)); returns topk."""
+    """Checks block_idx int32/int64 [B, G, T, topk]; returns topk.
+
+    With check_values (reads block_idx: one host sync on CUDA) also its values: ids in [-1,
+    ceil(T / block_size)) and causal, no id after the query's own block (query i's block is
+    i // block_size, counted from its document's start with cu_seqlens, which must be checked
+    before).  -1 (padding) is always valid, a row or a whole selection of -1 included."""
     check_tensor("block_idx", block_idx, 4, float_only=False)
     if block_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"block_idx must be int32 (or int64), got {block_idx.dtype}")
@@ -103,15 +126,25 @@ def check_block_idx(
     topk = block_idx.shape[3]
     if topk < 1:
         raise ValueError("block_idx must have topk >= 1 entries per row")
-    # The range check reads block_idx (a host sync on CUDA); under torch.compile it is skipped so
-    # the op stays in one graph.  The kernels ignore ids outside [0, own block] in any case.
+    # The value checks read block_idx (a host sync on CUDA); under torch.compile they are skipped
+    # so the op stays in one graph.  The kernels ignore ids outside [0, own block] in any case.
     if check_values and block_idx.numel() and not torch.compiler.is_compiling():
         nblocks = (T + block_size - 1) // block_size
-        lo, hi = int(block_idx.min()), int(block_idx.max())
+        own = own_blocks(T, block_size, device, cu_seqlens).view(1, 1, T, 1)
+        late = block_idx > own  # one comparison over the selection
+        lo, hi, nlate = torch.stack([block_idx.min().long(), block_idx.max().long(), late.sum()]).tolist()
         if lo < -1 or hi >= nblocks:
             raise ValueError(
                 f"block_idx holds ids in [{lo}, {hi}] but valid ids are -1 (padding) and 0..{nblocks - 1} "
                 f"(T={T}, block_size={block_size})"
+            )
+        if nlate:
+            b, g, i, s = (int(x) for x in late.nonzero()[0].tolist())
+            where = "its position in its document" if cu_seqlens is not None else "its position"
+            raise ValueError(
+                f"block_idx selects {nlate} block(s) after the query's own block, e.g. block_idx[{b}, {g}, {i}, {s}] = "
+                f"{int(block_idx[b, g, i, s])} > {int(own[0, 0, i, 0])}, query {i}'s block ({where} // "
+                f"block_size={block_size}): a query attends only keys j <= i (pass validate=False to skip the check)"
             )
     return topk
 
@@ -128,14 +161,15 @@ def check_block_attention(
     check_values: bool = True,
 ) -> tuple[int, int, int, int, int, float]:
     """The checks of an attention over a block selection: q [B, T, Hq, D], k (and v) [B, T, G, D],
-    block_idx [B, G, T, topk], a positive block_size, softmax_scale (default 1/sqrt(D)) and the
-    optional cu_seqlens.  Returns (B, T, Hq, G, D, scale)."""
+    block_idx [B, G, T, topk] (its values with check_values: see `check_block_idx`), a positive
+    block_size, softmax_scale (default 1/sqrt(D)) and the optional cu_seqlens.  Returns (B, T,
+    Hq, G, D, scale)."""
     B, T, Hq, G, D = check_qkv(q, k, v)
     check_positive_int("block_size", block_size)
-    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=check_values)
-    scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
+    check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=check_values, cu_seqlens=cu_seqlens)
+    scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
     return B, T, Hq, G, D, scale
 
 

@@ -279,7 +279,7 @@ def test_train_speed_measure_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["common", "selections", "prefill", "decode", "generate", "train_speed", "qat", "spec",
-                                  "spec_report", "quality", "gpu"])
+                                  "spec_report", "quality", "gpu", "ops_edges"])
 def test_every_script_imports(name):
     """What a script imports at module level exists in the tree (the GPU runs them; CI cannot)."""
     import importlib

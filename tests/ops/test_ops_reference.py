@@ -164,8 +164,14 @@ def test_sparse_all_blocks_equals_dense(T, bs):
     B, Hq, G, D = 2, 6, 2, 16
     q, k, v = torch.randn(B, T, Hq, D), torch.randn(B, T, G, D), torch.randn(B, T, G, D)
     nb = (T + bs - 1) // bs
-    bi = torch.arange(nb, dtype=torch.int32).expand(B, G, T, nb).contiguous()
-    torch.testing.assert_close(ops.sparse_attention(q, k, v, bi, block_size=bs), ops.dense_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    bi = torch.arange(nb, dtype=torch.int32).expand(B, G, T, nb).contiguous()  # blocks after the query too
+    o = ops.sparse_attention(q, k, v, bi, block_size=bs, validate=False)  # unvalidated: later blocks add nothing
+    torch.testing.assert_close(o, ops.dense_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    if nb > 1:
+        with pytest.raises(ValueError, match="block_idx.*after the query"):
+            ops.sparse_attention(q, k, v, bi, block_size=bs)
+    causal = bi.masked_fill(bi > (torch.arange(T) // bs).view(1, 1, T, 1), -1)
+    torch.testing.assert_close(ops.sparse_attention(q, k, v, causal, block_size=bs), o, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=15, deadline=None)

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from ..checks import check_block_attention, check_block_idx, check_cu_seqlens, check_index_qk, check_positive_int, check_qkv, check_same, check_scale
+from ..checks import (check_block_attention, check_block_idx, check_cu_seqlens, check_finite_inputs, check_index_qk,
+                      check_positive_int, check_qkv, check_same, check_scale)
 from ..dispatch import use_triton, warn_once
 from .chunked import index_kl_loss_chunked
 from .reference import index_kl_loss_reference, selected_lse_reference
@@ -112,6 +113,7 @@ def index_kl_loss(
     over: str = "selected",
     backend: str = "auto",
     validate: bool = True,
+    check_finite: bool = False,
 ) -> torch.Tensor:
     """Mean over (b, r, i) of KL(P || P_idx) on the selected tokens; a scalar.
 
@@ -137,6 +139,10 @@ def index_kl_loss(
     computes the loss and the gradients in the forward (one pass; fp32 atomics, so gradients
     are not bitwise deterministic); float64 inputs always use the reference.  Off the kernel
     (CPU, float64, over="all"), "auto" runs the chunked matmul path of `chunked.py`.
+    validate=True checks block_idx's values as `sparse_attention` does (ids in range and causal;
+    one host sync on CUDA).  A row selecting nothing adds 0 to the sum (its P and P_idx are empty).
+    check_finite=True raises ValueError when q, k, q_idx, k_idx or lse holds NaN (lse may be -inf
+    on an empty row, not +inf) or q, k, q_idx, k_idx an inf (it reads them: a host sync on CUDA).
     """
     B, T, Hq, G, D = check_qkv(q, k, None)
     Bi, Ti, Gi, Di = check_index_qk(q_idx, k_idx)
@@ -146,8 +152,10 @@ def index_kl_loss(
     check_positive_int("block_size", block_size)
     if over not in ("selected", "all"):
         raise ValueError(f"over must be 'selected' or 'all', got {over!r}")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T, q.device)
     if over == "selected" or block_idx is not None:
-        check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate)
+        check_block_idx(block_idx, B, G, T, block_size, q.device, check_values=validate, cu_seqlens=cu_seqlens)
     if over == "all" and lse is not None:
         raise ValueError("lse is the log-sum-exp over the selected tokens: over='all' takes lse=None")
     scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
@@ -157,8 +165,9 @@ def index_kl_loss(
             raise ValueError(f"lse must be a float tensor of shape [B={B}, Hq={Hq}, T={T}]")
         if lse.device != q.device:
             raise ValueError(f"lse is on {lse.device} but q is on {q.device}")
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, B, T, q.device)
+    if check_finite:  # lse is -inf on a row selecting nothing: only NaN and +inf are errors there
+        check_finite_inputs(q=q, k=k, q_idx=q_idx, k_idx=k_idx,
+                            lse=None if lse is None else lse.clamp_min(torch.finfo(lse.dtype).min))
 
     fp64 = torch.float64 in (q.dtype, q_idx.dtype)
     kernel = use_triton("index_kl_loss", backend, q.device) and not (fp64 and backend == "auto")

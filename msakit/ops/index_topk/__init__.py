@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_cu_seqlens, check_index_qk
-from ..checks import check_finite as _check_finite_values
+from ..checks import check_cu_seqlens, check_finite_inputs, check_index_qk
 from ..dispatch import use_triton
 from .reference import (
     attention_block_mass,
@@ -99,8 +98,7 @@ def index_topk(
         raise ValueError(f"score_dtype must be one of {SCORE_DTYPES}, got {score_dtype!r}")
     use_triton("index_topk", backend, q_idx.device)  # validates backend before anything runs
     if check_finite:
-        _check_finite_values("q_idx", q_idx)
-        _check_finite_values("k_idx", k_idx)
+        check_finite_inputs(q_idx=q_idx, k_idx=k_idx)
     return _index_topk_op(
         q_idx, k_idx, cu_seqlens, block_size, topk, local_blocks, init_blocks, score_dtype or "", backend
     )

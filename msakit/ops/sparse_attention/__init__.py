@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_block_attention
+from ..checks import check_block_attention, check_finite_inputs
 from ..dispatch import use_triton, warn_once
 from .chunked import sparse_attention_chunked
 from .reference import sparse_attention_reference
@@ -132,25 +132,34 @@ def sparse_attention(
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
     validate: bool = True,
+    check_finite: bool = False,
 ):
     """Block-sparse causal GQA attention.
 
     q [B, T, Hq, D]; k, v [B, T, G, D]; block_idx int32 [B, G, T, topk] (ids of key blocks of
     `block_size` tokens, -1 = none).  Head h of group r = h // (Hq // G) at query i attends the
     tokens j <= i of the blocks block_idx[b, r, i].  Returns o [B, T, Hq, D] in q's dtype and,
-    with return_lse, lse [B, Hq, T] float32 (natural log; -inf for a row selecting nothing).
+    with return_lse, lse [B, Hq, T] float32 (natural log).  A row that selects no token (all -1,
+    down to a selection that is -1 everywhere) gives o = 0 and lse = -inf, and passes no gradient
+    (zeros, no NaN) to q, k, v, on every backend.
 
     cu_seqlens: int32 [ndocs + 1] for a packed variable-length batch (B = 1, T = total): the
     documents [cu_seqlens[d], cu_seqlens[d+1]) attend only inside themselves and their block
     ids count from each document's start.  backend: "auto" | "triton" | "reference"
     (`msakit.ops.dispatch`); off the kernel, "auto" runs the chunked matmul path of `chunked.py`
     and "reference" the reference itself.  Differentiable in q, k, v (and through lse).
-    validate=False skips the range check of block_idx's values (a host sync on CUDA) for a
-    selection known to be valid, such as index_topk's output.
+    validate=True checks block_idx's values (one host sync on CUDA): ids in [-1, number of
+    blocks) and causal, no id after the query's own block (i // block_size, counted from the
+    document's start with cu_seqlens); ValueError naming block_idx otherwise.  validate=False
+    skips it for a selection known to be valid, such as index_topk's output; the kernels then
+    ignore ids outside [0, own block].  check_finite=True raises ValueError when q, k or v holds
+    NaN or inf (it reads them: a host sync on CUDA); without it NaN reaches o's rows that attend it.
     """
     B, T, Hq, G, D, scale = check_block_attention(
         q, k, v, block_idx, block_size, softmax_scale, cu_seqlens, check_values=validate
     )
+    if check_finite:
+        check_finite_inputs(q=q, k=k, v=v)
     if use_triton("sparse_attention", backend, q.device):
         why = _kernels().kernel_supports(q.dtype, D, block_size, q.device)
         if why is None:

@@ -156,7 +156,7 @@ def extend_rows(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 def _scores(qn, kb, pc, hpg, block_size, T, scale):
     """Scaled scores [N, cap, hpg, bs] of the pieces, -inf where an own block's token is after the row."""
     N, cap = pc.row.shape
-    s = torch.bmm(qn.view(N, cap * hpg, -1), kb.transpose(1, 2)).view(N, cap, hpg, block_size)
+    s = torch.bmm(qn.view(N, cap * hpg, kb.shape[-1]), kb.transpose(1, 2)).view(N, cap, hpg, block_size)  # N may be 0
     s.mul_(scale)
     if pc.n_plain < N:
         s[pc.n_plain:].masked_fill_(~pc.diag_mask(block_size, T).unsqueeze(2), float("-inf"))
