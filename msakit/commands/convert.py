@@ -4,7 +4,11 @@ indexer
 Add index branches to every dense-attention layer (msakit.models.convert) and train them.  --train index (the
 default, the cheapest recipe): only the index branches train, by the KL against the dense attention, with the
 backbone frozen (no optimizer state for it) and full attention throughout.  --train all: every parameter, a
-dense warm-up (--warmup-steps) and then sparse training by LM + --kl-coef x KL.  The run ends (also at
+dense warm-up (--warmup-steps) and then sparse training by LM + --kl-coef x KL.  A SOURCE that is already
+MSA (a warmed model's OUT/model) keeps its own index branches: `msakit convert WARMED/model --train all
+--warmup-steps 0` is stage 2 of the recipe (sparse continued training; --lora R trains the backbone through LoRA
+adapters, merged into OUT/model at the end; --short-context N reports the loss at N tokens before and after).  The
+run ends (also at
 --max-tokens or --time-budget) with a checkpoint and the model in OUT/model (weights + tokenizer), which
 `msakit eval --model` and `msakit generate` take.  SOURCE: an msakit run / checkpoint folder or an HF model
 folder (config.json + safetensors + tokenizer.json).  `msakit convert --resume --out RUN --steps N` continues
@@ -14,6 +18,7 @@ a conversion run (the same as `msakit train --resume --out RUN`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -58,6 +63,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="peak learning rate of the index branches (default --lr)")
     w.add_argument("--kl-tokens", choices=KL_TOKENS, default="selected",
                    help="the KL over the indexer's selected tokens or over every causal token")
+    w.add_argument("--lora", type=POS_INT, default=None, metavar="RANK",
+                   help="with --train all: train the backbone through LoRA adapters of this rank (peft; the index "
+                        "branch trains fully), merged into OUT/model at the end; no resumable checkpoints")
+    w.add_argument("--lora-alpha", type=POS_FLOAT, default=None, metavar="A",
+                   help="LoRA scale A / RANK (default RANK: a scale of 1)")
+    w.add_argument("--short-context", type=POS_INT, default=None, metavar="N",
+                   help="also measure the validation loss over rows of N tokens before and after the run (stage "
+                        "2's cost in short-context quality; the recipe's bar: at most +0.5%%)")
     w.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the model's weights during conversion")
     w.add_argument("--max-tokens", type=POS_INT, default=None, metavar="N",
                    help="stop after the step that reads N tokens (batch x context per step; without --steps the "
@@ -84,8 +97,14 @@ def check_convert_options(args: argparse.Namespace) -> None:
             k = bad[0]
             raise ValueError(f"--{k.replace('_', '-')} does not apply with --train index ({NOT_WITH_INDEX[k]}); "
                              "use --train all for the full recipe")
+        if args.lora is not None:
+            raise ValueError("--lora does not apply with --train index (the backbone is frozen); use --train all")
         if "lr" in named and "index_lr" in named:
             raise ValueError("--lr and --index-lr: with --train index only the index branch trains; give one of them")
+    if args.lora_alpha is not None and args.lora is None:
+        raise ValueError("--lora-alpha needs --lora RANK")
+    if args.short_context is not None and args.short_context < 2:
+        raise ValueError(f"--short-context must be at least 2 tokens, got {args.short_context}")
     if args.init_blocks is not None and args.topk is not None and args.init_blocks + 1 > args.topk:
         raise ValueError(f"--init-blocks {args.init_blocks} plus the query's own block exceed --topk {args.topk}")
 
@@ -100,15 +119,20 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     data = data_options(args, args.context if args.context is not None else DEFAULT_CONTEXT)
     cfg, say_notes = deferred_notes(args)
+    if args.lora is not None:
+        cfg = dataclasses.replace(cfg, lora_rank=args.lora, lora_alpha=args.lora_alpha)
     result = convert_run(args.source, out, train=cfg, data=data, tokenizer=args.tokenizer,
                          dtype=args.dtype, index_dim=args.index_dim, block_size=args.block_size, topk=args.topk,
                          init_blocks=args.init_blocks, index_init=args.index_init, max_tokens=args.max_tokens,
-                         time_budget=args.time_budget, device=device, parallel=parallel, fsdp=args.fsdp,
+                         time_budget=args.time_budget, short_context=args.short_context, device=device, parallel=parallel, fsdp=args.fsdp,
                          activation_checkpointing=args.activation_checkpointing, cache_dir=args.cache_dir,
                          progress=not args.no_progress, ready=say_notes)
     if main_rank:
         mdir = result.model_dir
         print(f"model: {mdir} (msakit eval --model {mdir}; msakit generate {mdir})")
-        print(f"continue training: msakit convert --resume --out {out} --steps N "
-              f"(or msakit train --resume --out {out})")
+        if args.lora is not None:  # no checkpoints: the merged model is where a next run starts
+            print(f"continue training: msakit convert {mdir} --train all --warmup-steps 0 --out NEW_RUN")
+        else:
+            print(f"continue training: msakit convert --resume --out {out} --steps N "
+                  f"(or msakit train --resume --out {out})")
     return 0

@@ -14,10 +14,14 @@ Both return a model in "dense" mode with the `msakit.models.interface.MSAModel` 
 `load_for_conversion(path)` picks the loader by config.json's model_type;
 `init_index_from_qk(model)` starts the index branches from the main q/k projections;
 `apply_rope_scaling(model, "yarn:4")` sets an HF model's rope scaling (YaRN past the native context).
+`is_converted(model)` says whether a model already has every index branch a conversion would add
+(a warmed model: stage 2 continues it), and `set_selection(model, ...)` changes an MSA model's
+selection settings (block size, top-k, forced initial blocks; no weight depends on them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,7 +45,9 @@ __all__ = [
     "apply_rope_scaling",
     "convert_dense_to_msa",
     "init_index_from_qk",
+    "is_converted",
     "load_for_conversion",
+    "set_selection",
 ]
 
 INDEX_INITS = ("random", "qk")
@@ -125,6 +131,51 @@ def convert_dense_to_msa(
     if index_init == "qk":
         init_index_from_qk(new)
     return new
+
+
+def is_converted(model: nn.Module) -> bool:
+    """True for a model that already has the index branches a conversion would add: an
+    `MSAWrappedModel`, or an `M3ForCausalLM` whose every layer is MSA (what `convert_dense_to_msa`
+    makes of a dense one).  Such a model is trained on from its own index weights (stage 2 of the
+    conversion recipe), not converted again."""
+    if isinstance(model, MSAWrappedModel):
+        return True
+    return isinstance(model, M3ForCausalLM) and model.config.num_sparse_layers == model.config.num_hidden_layers
+
+
+def set_selection(model: nn.Module, *, block_size: int | None = None, topk: int | None = None,
+                  init_blocks: int | None = None) -> None:
+    """Change the selection settings of every MSA layer of `model` (an `MSAWrappedModel` or an
+    `M3ForCausalLM` with MSA layers) in place and in its config (what `save_pretrained` writes):
+    blocks of `block_size`, `topk` blocks per query, `init_blocks` leading blocks forced (None:
+    unchanged).  No weight depends on them.  ValueError naming the setting when the selection
+    cannot be made (top-k below the forced and local blocks, a block longer than the positions)."""
+    for name, val, lo in (("block_size", block_size, 1), ("topk", topk, 1), ("init_blocks", init_blocks, 0)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < lo):
+            raise ValueError(f"{name} must be an integer >= {lo} (or None: unchanged), got {val!r}")
+    if isinstance(model, MSAWrappedModel):
+        old = model.settings.selection
+    elif isinstance(model, M3ForCausalLM) and model.msa_layers():
+        old = model.config.selection
+    else:
+        raise ValueError(f"set_selection takes an MSA model (MSAWrappedModel or M3ForCausalLM with MSA layers), "
+                         f"got {type(model).__name__}")
+    sel = dataclasses.replace(old, **{k: v for k, v in (("block_size", block_size), ("topk", topk),
+                                                         ("init_blocks", init_blocks)) if v is not None})
+    if sel.topk < sel.local_blocks + sel.init_blocks:
+        raise ValueError(f"topk {sel.topk} is below the {sel.local_blocks} local + {sel.init_blocks} initial blocks "
+                         "every query selects")
+    check_selection_fits(sel.block_size, sel.topk, max_positions(model.config))
+    if isinstance(model, MSAWrappedModel):
+        model.settings.selection = sel  # the settings save_pretrained writes (shared with the layers' state)
+        model._state.cfg = dataclasses.replace(model.msa_config, selection=sel)  # what the layers select by
+        return
+    model.config = model.config.replace(index_block_size=sel.block_size, index_topk_blocks=sel.topk,
+                                        index_init_blocks=sel.init_blocks)
+    if getattr(model.model, "config", None) is not None:
+        model.model.config = model.config
+    for attn in model.msa_layers():
+        attn.cfg = dataclasses.replace(attn.cfg, selection=sel)
 
 
 def _hf_family(model: Any) -> FamilyAdapter | None:

@@ -27,14 +27,16 @@ import torch
 from msakit.cost import ModelShape, total_params
 from msakit.distributed.launch import Parallel, is_main, rank0_first
 from msakit.models import M3Config, M3ForCausalLM
-from msakit.models.convert import convert_dense_to_msa
+from msakit.models.convert import convert_dense_to_msa, is_converted, set_selection
 from msakit.models.sizes import available_memory, check_batch_fits, format_bytes
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.corpus import DEFAULT_LONG_MIN_TOKENS, DEFAULT_VAL_FRACTION
-from msakit.train.data import PreparedData, prepare_data
+from msakit.train.data import Batch, PackedRows, PreparedData, eval_batches, prepare_data
 from msakit.train.folders import (MODEL_DIR, TRAIN_COMMANDS, check_context, check_new_out, check_vocab, folder_kind,
                                   load_model_folder, model_folder, new_run_dir, resume_dir, save_model_folder,
                                   tokenizer_beside)
+from msakit.train.jsonl import append_metrics
+from msakit.train.lora import merge_lora
 from msakit.train.metrics import msa_selections
 from msakit.train.tokenizer import Tokenizer
 from msakit.train.trainer import METRICS_FILE, TrainConfig, Trainer, config_from_dict, read_metrics
@@ -309,7 +311,7 @@ def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str |
 def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: DataOptions, tokenizer: str | None = None,
                 dtype: str = "float32", index_dim: int | None = None, block_size: int | None = None,
                 topk: int | None = None, init_blocks: int | None = None, index_init: str = "random",
-                max_tokens: int | None = None, time_budget: float | None = None,
+                max_tokens: int | None = None, time_budget: float | None = None, short_context: int | None = None,
                 device: torch.device | str = "cpu", parallel: Parallel | None = None, fsdp: bool = False,
                 activation_checkpointing: bool = False, cache_dir: str | None = None, progress: bool = True,
                 log: Log = say, ready: Callable[[], None] | None = None) -> RunResult:
@@ -320,7 +322,16 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
     index branches alone by the KL, backbone frozen; "all": every parameter), in weights of
     `dtype` (DTYPES).  Everything is checked, and the model converted, before `ready()` is called
     and the data are prepared.  Stops at `train.steps`, after `max_tokens` tokens or
-    `time_budget` seconds, and saves the converted model (weights + tokenizer) in OUT/model."""
+    `time_budget` seconds, and saves the converted model (weights + tokenizer) in OUT/model.
+
+    A source that is already converted (`msakit.models.convert.is_converted`: a warmed model's
+    folder) is trained on as it is -- its index branches are the starting point, none is added or
+    re-initialised (stage 2 of the recipe: `train.train` "all", `train.dense_warmup_steps` 0);
+    `block_size` / `topk` / `init_blocks` then change its selection (`set_selection`), and
+    `index_dim` or `index_init` "qk" are refused.  `train.lora_rank` > 0: the backbone trains
+    through LoRA adapters, merged into OUT/model at the end.  `short_context` N: the validation
+    loss over rows of N tokens (the same held-out documents) is measured before and after
+    training and reported with its relative change (a "short_context" record in metrics.jsonl)."""
     t0 = time.time()
     out = Path(out)
     main_rank = is_main(parallel)
@@ -336,9 +347,21 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
     data.check()
     torch_dt = torch_dtype(dtype)
     check_folder_fits(folder, device, torch_dt.itemsize if train.train == "index" else TRAIN_BYTES_PER_PARAM)
+    if short_context is not None and not 2 <= short_context <= data.context:
+        raise ValueError(f"--short-context must be between 2 and --context {data.context}, got {short_context}")
     src = load_model_folder(folder, dtype=torch_dt)
-    model = convert_dense_to_msa(src, index_head_dim=index_dim, block_size=block_size, topk=topk,
-                                 init_blocks=init_blocks, index_init=index_init, seed=train.seed)
+    warmed = is_converted(src)
+    if warmed:  # stage 2 (or a longer warm-up): the model's own index branches go on training
+        if index_dim is not None or index_init != "random":
+            raise ValueError(f"{source} is already an MSA model: its index branches are the starting point "
+                             "(--index-dim and --index-init apply to a dense source)")
+        model = src
+        if (block_size, topk, init_blocks) != (None, None, None):
+            set_selection(model, block_size=block_size, topk=topk, init_blocks=init_blocks)
+        model.set_attention_mode("dense")
+    else:
+        model = convert_dense_to_msa(src, index_head_dim=index_dim, block_size=block_size, topk=topk,
+                                     init_blocks=init_blocks, index_init=index_init, seed=train.seed)
     check_context(model.config, data.context)
     check_vocab(model, tok)
     check_batch_fits(model.config, train.batch_size // (parallel.dp if parallel else 1), data.context, device,
@@ -353,12 +376,15 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
         with rank0_first(parallel):  # rank 0 fills the data cache first
             pd = prepare(data, tokenizer=tok, cache_dir=cache_dir, log=log)
         meta = {"kind": "convert", "data": data.to_dict(), "source": str(source), "dtype": dtype,
-                "index_init": index_init, "long_files": [f.name for f in pd.corpus.long]}
+                "index_init": "warmed" if warmed else index_init, "long_files": [f.name for f in pd.corpus.long]}
         trainer = Trainer(model, train, pd.train, pd.val, out_dir=out, device=device, tokenizer=tok,
                           progress=progress, meta=meta, eval_both_modes=True, parallel=parallel, fsdp=fsdp,
                           activation_checkpointing=activation_checkpointing)
         if main_rank:
             tok.save(out)
+        short = None if short_context is None else eval_batches(
+            PackedRows(pd.val.stream, short_context, pd.val.pad_id), train.batch_size, train.eval_rows)
+        short_before = short_losses(trainer, short)
         before_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
         before_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
         if train.train == "index":
@@ -366,8 +392,13 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
             plan = f"index-branch warm-up (backbone frozen, full attention, KL over {over}) for {train.steps} steps"
         else:
             plan = f"indexer warm-up (dense) for {train.dense_warmup_steps} steps, then sparse to step {train.steps}"
-        say_(f"converted {folder}: validation loss dense {before_d:.3f}, sparse with the untrained indexer "
-             f"{before_s:.3f}; {plan}")
+        if train.lora_rank:
+            plan += f", the backbone through LoRA of rank {train.lora_rank}"
+        what = (f"continuing the MSA model {folder} (its own index branches): validation loss dense {before_d:.3f}, "
+                f"sparse {before_s:.3f}" if warmed else
+                f"converted {folder}: validation loss dense {before_d:.3f}, sparse with the untrained indexer "
+                f"{before_s:.3f}")
+        say_(f"{what}; {plan}")
         describe_run(trainer, say_)
         trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
     ev = trainer.last_eval or {}
@@ -377,9 +408,48 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
         after_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
         after_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
     say_(f"after conversion: validation loss dense {after_d:.3f}, sparse {after_s:.3f}")
+    if short is not None:
+        rec = short_context_record(trainer.step, short_context, short, short_before, short_losses(trainer, short))
+        if main_rank:
+            append_metrics(out, rec)
+        say_(short_context_line(rec))
     say_(summary_line(trainer, t0))
+    if merge_lora(trainer.model):
+        say_(f"merged the LoRA adapters (rank {train.lora_rank}) into the backbone")
     mdir = save_model_folder(trainer.model, tok, out / MODEL_DIR) if main_rank else None
     return RunResult(trainer, mdir)
+
+
+# ----------------------------------------------------------------------------- short-context quality
+SHORT_CONTEXT_BAR = 0.5  # the recipe's bar: stage 2 raises the short-context loss by at most this many percent
+
+
+def short_losses(trainer: Trainer, batches: list[Batch] | None) -> dict[str, float] | None:
+    """The validation loss over `batches` (short rows) in dense and in sparse mode (None: no batches)."""
+    if batches is None:
+        return None
+    return {m: trainer.evaluate(mode=m, batches=batches, recall_rows=0, compute_kl=False)["loss"]
+            for m in ("dense", "sparse")}
+
+
+def short_context_record(step: int, context: int, batches: list[Batch], before: dict[str, float],
+                         after: dict[str, float]) -> dict:
+    """The metrics record of the short-context check at `step`: the losses over `batches` (rows
+    of `context` tokens) before and after the run and the relative change of each (percent; the
+    recipe's bar `SHORT_CONTEXT_BAR` on the sparse one)."""
+    change = {m: 100.0 * (after[m] - before[m]) / before[m] for m in before}
+    return {"kind": "short_context", "step": step, "context": context,
+            "rows": sum(int(b.input_ids.shape[0]) for b in batches), "before": before, "after": after, "change_pct": change, "bar_pct": SHORT_CONTEXT_BAR,
+            "within_bar": change["sparse"] <= SHORT_CONTEXT_BAR}
+
+
+def short_context_line(rec: dict) -> str:
+    """One line of a short-context record."""
+    b, a, c = rec["before"], rec["after"], rec["change_pct"]
+    verdict = "within" if rec["within_bar"] else "OVER"
+    return (f"short-context validation loss ({rec['context']} tokens): sparse {b['sparse']:.4f} -> {a['sparse']:.4f} "
+            f"({c['sparse']:+.2f}%, {verdict} the bar of +{rec['bar_pct']}%), dense {b['dense']:.4f} -> "
+            f"{a['dense']:.4f} ({c['dense']:+.2f}%)")
 
 
 # ----------------------------------------------------------------------------- resuming

@@ -12,7 +12,11 @@ parameter is frozen (``requires_grad`` False, no optimizer state, no routing-bia
 training forward keeps only the last position's logits (``logits_to_keep=1``, no labels), so the
 [T, vocab] logits are never built.  ``index_lr`` sets the index branches' peak learning rate (in
 ``train="all"`` a separate parameter group, the same schedule); ``kl_tokens`` ("selected" / "all")
-is passed to ``model.set_kl_tokens``.  ``fit(max_tokens=, budget_s=)`` stops early and finishes
+is passed to ``model.set_kl_tokens``.  ``lora_rank`` > 0 (``train="all"`` only): the backbone
+trains through peft LoRA adapters of that rank (`msakit.train.lora.apply_lora`, scale
+``lora_alpha`` / rank) and the index branch fully; nothing else is trainable or in the optimizer.
+Such a run writes no resumable checkpoints (the adapters are merged into the model folder its
+caller saves at the end, `msakit.train.lora.merge_lora`).  ``fit(max_tokens=, budget_s=)`` stops early and finishes
 the run at that step as at its last (log, evaluation, checkpoint).
 
 Everything a step depends on is a function of the step number or is checkpointed (learning rate,
@@ -58,6 +62,7 @@ from msakit.nn.attention import KL_TOKENS
 from msakit.ops.dispatch import triton_available
 from msakit.train import checkpoint as ckpt_mod
 from msakit.train.data import Batch, PackedRows, RowLoader, eval_batches
+from msakit.train.lora import apply_lora, has_lora
 from msakit.train.jsonl import METRICS_FILE, append_metrics, read_metrics
 from msakit.train.metrics import autocast_for, evaluate, load_balance, model_forward
 from msakit.train.plots import write_plots
@@ -94,6 +99,8 @@ class TrainConfig:
     index_lr: float | None = None  # peak learning rate of the index branches (None: lr)
     kl_tokens: str = "selected"  # the KL over the indexer's selected tokens or over "all" causal tokens
     compile: bool = False  # torch.compile each decoder layer (`compile_layers`); evaluation stays eager
+    lora_rank: int = 0  # > 0: the backbone trains through LoRA adapters of this rank (train="all"), the index fully
+    lora_alpha: float | None = None  # LoRA scale alpha / rank (None: rank, a scale of 1)
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
@@ -112,6 +119,12 @@ class TrainConfig:
         if self.train == "index" and self.kl_every != 1:
             raise ValueError(f"kl_every must be 1 when only the index branch trains (the KL is its only loss), "
                              f"got {self.kl_every}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_rank and self.train != "all":
+            raise ValueError("lora_rank applies to train='all' (with train='index' the backbone is frozen)")
+        if self.lora_alpha is not None and not (self.lora_rank and self.lora_alpha > 0):
+            raise ValueError(f"lora_alpha must be positive and needs lora_rank > 0, got {self.lora_alpha}")
         for name in ("steps", "batch_size", "log_every", "eval_every", "save_every", "kl_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -312,6 +325,8 @@ class Trainer:
         self.device = resolve_device(device) if not isinstance(device, torch.device) else device
         if cfg.train == "index" and parallel is not None:
             raise ValueError("--train index runs in one process (no --cp / --fsdp / torchrun yet)")
+        if cfg.lora_rank and parallel is not None:
+            raise ValueError("--lora runs in one process (no --cp / --fsdp / torchrun yet)")
         self.model = model.to(self.device)
         index_names = self._setup_index_training(model)
         self.fsdp = bool(fsdp)
@@ -345,6 +360,7 @@ class Trainer:
         self.history: list[dict] = []  # per-step records (loss, kl, lr, ...)
         self.last_eval: dict | None = None
         self._acc: dict[str, Any] = {}
+        self._lora_noted = False  # the note that a LoRA run writes no checkpoints is said once
         self._t0 = time.time()
         self.tokens_seen = 0
         seed = cfg.seed
@@ -353,24 +369,27 @@ class Trainer:
         torch.manual_seed(seed)
 
     def _setup_index_training(self, model) -> set[str]:
-        """Apply kl_tokens and, for train="index", freeze everything but the index branches;
-        returns the index parameters' names (empty when the model has none to name)."""
+        """Apply kl_tokens and, for train="index", freeze everything but the index branches (with
+        lora_rank, put LoRA adapters on the backbone: `apply_lora`); returns the index parameters'
+        names (empty when the model has none to name)."""
         cfg = self.cfg
         if not isinstance(model, MSAModel):  # a plain torch model: the LM loss only
             if cfg.kl_tokens != "selected":
                 raise ValueError(f"kl_tokens={cfg.kl_tokens!r}: {type(model).__name__} is not an MSA model "
                                  "(msakit.models.interface.MSAModel: no set_kl_tokens)")
-            if cfg.train == "index" or cfg.index_lr is not None:
+            if cfg.train == "index" or cfg.index_lr is not None or cfg.lora_rank:
                 raise ValueError(f"{type(model).__name__} has no index_parameters(): cannot train its index branch "
-                                 "alone or give it its own learning rate")
+                                 "alone, give it its own learning rate or train it beside LoRA")
             return set()
         model.set_kl_tokens(cfg.kl_tokens)
         names = {n for n, _ in model.index_parameters()}
-        if (cfg.train == "index" or cfg.index_lr is not None) and not names:
+        if (cfg.train == "index" or cfg.index_lr is not None or cfg.lora_rank) and not names:
             raise ValueError("the model has no index-branch parameters (no MSA layer)")
         if cfg.train == "index":
             for n, p in model.named_parameters():
                 p.requires_grad_(n in names)
+        elif cfg.lora_rank and not has_lora(model):
+            apply_lora(model, cfg.lora_rank, cfg.lora_alpha)
         return names
 
     # ------------------------------------------------------------------ one step
@@ -517,7 +536,15 @@ class Trainer:
             "meta": self.meta,
         }
 
-    def save(self, _hook=None) -> Path:
+    def save(self, _hook=None) -> Path | None:
+        """A checkpoint of the step (None for a LoRA run: its adapters are merged into the model
+        folder saved at the end instead; said once)."""
+        if self.cfg.lora_rank:
+            if self.is_main and not self._lora_noted:
+                self._lora_noted = True
+                print("note: a --lora run writes no resumable checkpoints; the model folder saved at its end holds "
+                      "the merged weights", flush=True)
+            return None
         if self.parallel is not None and self.parallel.env.distributed:
             return self._save_sharded()
         return ckpt_mod.save_checkpoint(

@@ -117,7 +117,8 @@ def _refusals(env, run_dir, drafter_run, tmp_path):
         (["train-drafter", str(run_dir), "--out", str(full), "--device", "cpu", *cache], "not empty"),
         (["convert", "--out", new, "--device", "cpu", *cache], "SOURCE is required"),
         (["convert", str(run_dir), "--out", str(run_dir), "--device", "cpu", *cache], "--resume"),
-        (["convert", str(run_dir), "--out", new, "--device", "cpu", *cache], "already has MSA"),
+        # an MSA model continues with its own index branches (stage 2): new ones cannot be asked for
+        (["convert", str(run_dir), "--index-dim", "8", "--out", new, "--device", "cpu", *cache], "already an MSA model"),
         (["generate", str(run_dir), "--max-new-tokens", "1000", "--device", "cpu"], "max_position_embeddings"),
         (["generate", str(hf), "--device", "cpu"], "msakit convert"),
         (["generate", str(drafter_run), "--device", "cpu"], "--drafter"),
