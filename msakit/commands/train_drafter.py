@@ -26,7 +26,9 @@ RESUME_OPTIONS = frozenset({"out", "resume", "steps", "time_budget", "tokenizer"
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = command_parser(subparsers, __doc__)
-    p.add_argument("target", metavar="TARGET", help="the target: run folder (latest checkpoint), checkpoint or model folder")
+    p.add_argument("target", metavar="TARGET", nargs="?", default=None,
+                   help="the target: run folder (latest checkpoint), checkpoint or model folder (with --resume: "
+                        "the run's recorded target; may be omitted)")
     p.add_argument("--out", default="runs/drafter", metavar="DIR", help="run folder (default runs/drafter)")
     add_resume_arg(p, "continue the drafter run in --out (or from CKPT) with its recorded settings; only --steps "
                       "(to train further), --time-budget, --tokenizer, --device, --cache-dir and --no-progress may be "
@@ -111,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
         if result is None:
             return 0
     else:
+        if args.target is None:
+            raise ValueError("the target (TARGET: run folder, checkpoint or model folder) is required, "
+                             "except with --resume")
         named = given(args)
         if "regen_share" in named and not args.regen_pool:
             raise ValueError("--regen-share applies to a --regen-pool only")
