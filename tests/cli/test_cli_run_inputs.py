@@ -78,3 +78,23 @@ def test_train_drafter_needs_a_target_for_a_fresh_run(tmp_path, capsys):
     err = one_line_error(capsys, main(["train-drafter", "--out", str(tmp_path / "d")]))
     assert "TARGET" in err and "--resume" in err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("name", ["../outside.txt", "/etc/hostname"])
+def test_a_checkpoint_manifest_naming_a_file_outside_is_refused(copy_run, tmp_path, capsys, name):
+    import hashlib
+
+    from msakit.train.checkpoint import MANIFEST, find_checkpoint
+
+    ck = find_checkpoint(copy_run)
+    outside = ck / name if not name.startswith("/") else Path(name)
+    if not name.startswith("/"):
+        outside.write_text("not the run's\n")
+    man = json.loads((ck / MANIFEST).read_text())
+    man["files"][name] = hashlib.sha256(outside.read_bytes()).hexdigest() if outside.is_file() else "0"
+    (ck / MANIFEST).write_text(json.dumps(man))
+    before = tree_state(copy_run)
+    err = one_line_error(capsys, main(["generate", str(copy_run), "--prompt", "x", "--max-new-tokens", "2",
+                                       "--device", "cpu"]))
+    assert "a file outside" in err and repr(name) in err
+    assert tree_state(copy_run) == before
