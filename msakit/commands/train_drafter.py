@@ -49,7 +49,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=POS_INT, default=None, metavar="N", help=f"optimizer steps (default {DEFAULT_STEPS})")
     t.add_argument("--time-budget", type=POS_FLOAT, default=None, metavar="SECONDS",
-                   help="fit the number of steps (and the LR schedule) into this many seconds")
+                   help="fit the number of steps (and the LR schedule) into this many seconds of training, from "
+                        "the pace of steps 10-50; loading the target and preparing the data come on top")
     t.add_argument("--batch-size", type=POS_INT, default=8, metavar="N", help="rows per step")
     t.add_argument("--anchors", type=POS_INT, default=64, metavar="N", help="anchored blocks per row")
     t.add_argument("--lr", type=POS_FLOAT, default=6e-4, help="peak learning rate (AdamW)")

@@ -16,6 +16,22 @@ from msakit.cli import main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(scope="module")
+def dense_run(env):
+    """A 2-step dense train run (a conversion's source)."""
+    from cli_helpers import common
+
+    out = env["root"] / "dense_run"
+    assert main(["train", "--config", env["dense_config"], "--steps", "2", *common(env, out)]) == 0
+    return out
+
+
+def _convert_opts(env, out):
+    from cli_helpers import common
+
+    return [a for a in common(env, out) if a not in ("--vocab-size", "300")]
+
+
 def _eval_argv(model, out, *extra):
     docs = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
     return ["eval", "--model", str(model), "--tasks", "loss", "--lengths", "128", "--policies", "dense,msa",
@@ -36,14 +52,10 @@ def test_eval_takes_a_train_run_folder_and_the_models_own_budget(run_dir, tmp_pa
     assert "block8-top2" in err
 
 
-def test_eval_takes_a_conversion_run_folder_by_its_model(env, tmp_path, capsys):
-    from cli_helpers import common
-
-    dense, conv = tmp_path / "dense", tmp_path / "conv"
-    assert main(["train", "--config", env["dense_config"], "--steps", "2", *common(env, dense)]) == 0
-    opts = [a for a in common(env, conv) if a not in ("--vocab-size", "300")]
-    assert main(["convert", str(dense), "--train", "index", "--steps", "2", "--block-size", "16", "--topk", "2",
-                 *opts]) == 0
+def test_eval_takes_a_conversion_run_folder_by_its_model(env, dense_run, tmp_path, capsys):
+    conv = tmp_path / "conv"
+    assert main(["convert", str(dense_run), "--train", "index", "--steps", "2", "--block-size", "16", "--topk", "2",
+                 *_convert_opts(env, conv)]) == 0
     assert (conv / "model" / "config.json").is_file()
     capsys.readouterr()
     assert main(_eval_argv(conv, tmp_path / "ev")) == 0
@@ -98,3 +110,30 @@ def test_a_checkpoint_manifest_naming_a_file_outside_is_refused(copy_run, tmp_pa
                                        "--device", "cpu"]))
     assert "a file outside" in err and repr(name) in err
     assert tree_state(copy_run) == before
+
+
+def test_convert_time_budget_bounds_the_whole_run(env, dense_run, tmp_path, monkeypatch, capsys):
+    """--time-budget counts from the command's start: the training loop gets what is left after
+    loading, data preparation and the first validation, less one validation (the last step's)."""
+    import time
+
+    from msakit.train.trainer import Trainer
+
+    seen = {}
+    fit = Trainer.fit
+
+    def timed_fit(self, *a, budget_s=None, **k):
+        seen["budget"], seen["at"] = budget_s, time.time()
+        return fit(self, *a, budget_s=budget_s, **k)
+
+    monkeypatch.setattr(Trainer, "fit", timed_fit)
+    t0 = time.time()
+    assert main(["convert", str(dense_run), "--train", "index", "--steps", "2", "--time-budget", "1000",
+                 *_convert_opts(env, tmp_path / "conv")]) == 0
+    assert 0 < seen["budget"] < 1000 - (seen["at"] - t0)
+    # a budget spent before training: one step, said once
+    capsys.readouterr()
+    assert main(["convert", str(dense_run), "--train", "index", "--steps", "5", "--time-budget", "1e-6",
+                 *_convert_opts(env, tmp_path / "conv2")]) == 0
+    out, err = capsys.readouterr()
+    assert "spent before training" in out + err and "step 1," in out
