@@ -497,7 +497,8 @@ def _report(i: dict, out: Path) -> str:
         "## Files",
         "",
         "- `metrics.jsonl`: train records every 5 steps, validation records, the final dense/sparse record",
-        "- `loss.png`: loss curves; `recall.png`: indexer recall per layer (over the steps, or the last evaluation's bars when there are too few)",
+        "- `loss.png`: loss curves; `recall.png`: indexer recall per layer (over the steps, or the last "
+        "evaluation's bars when there are too few)",
         f"- `{Path(str(i['checkpoint'])).relative_to(Path(str(i['checkpoint'])).parents[1]) if i['checkpoint'] else 'checkpoints/'}`: "
         "weights (safetensors, HF MiniMax-M3 names), optimizer, RNG and data-loader state, manifest with sha256",
         "- `tokenizer.json`",
