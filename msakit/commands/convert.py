@@ -76,7 +76,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="stop after the step that reads N tokens (batch x context per step; without --steps the "
                         "schedule spans them)")
     w.add_argument("--time-budget", type=POS_FLOAT, default=None, metavar="SECONDS",
-                   help="stop after the step that ends past this many seconds of training")
+                   help="bound on the whole command's wall time, from its start: loading, data preparation and "
+                        "validations count; training stops at the first step that ends past it, less the time of "
+                        "one validation (measured before training; on --resume none is kept), and the last step's "
+                        "validation, checkpoint and the saved model end the run")
     add_data_args(p, vocab=False)
     add_optim_args(p, lr=1e-3, dense_warmup_steps=100, steps=300, eval_every=50, save_every=100, eval_rows=8)
     add_distributed_args(p)

@@ -12,7 +12,7 @@ from typing import Any
 
 from msakit.commands import command_parser
 from msakit.commands.options import POS_FLOAT, POS_INT, SEED, Number, add_device_arg
-from msakit.train.demo import BAR, DEFAULT_PROMPT, PROFILES, fmt_list, run_demo
+from msakit.train.demo import DEFAULT_PROMPT, PROFILES, fmt_list, run_demo
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -45,13 +45,13 @@ def run(args: argparse.Namespace) -> int:
 
 def print_summary(i: dict, out: Path) -> None:
     f = i["final"]
-    ok = f["relative_gap"] <= BAR
     r = f["recall_per_layer"]
     o = f["oracle_per_layer"]
     print()
     print(f"msakit demo finished in {i['total_s']:.0f}s ({i['train_cfg'].steps} steps, {i['tokens_seen']:,} tokens)")
     print(f"  validation loss, same weights: dense {f['val_loss_dense']:.4f}, sparse {f['val_loss_sparse']:.4f} "
-          f"({100 * f['relative_gap']:+.2f}%, {'PASS' if ok else 'FAIL'}: bar {100 * BAR:.0f}%)")
+          f"({100 * f['relative_gap']:+.2f}%); context-free {f['val_loss_unigram']:.4f}")
+    print(f"  {f['verdict']}: {f['verdict_reason']}")
     if r:
         print(f"  indexer recall per layer: {fmt_list(r)} (oracle {fmt_list(o)})")
     first = i["sample"].splitlines()[:4]

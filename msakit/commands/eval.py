@@ -1,6 +1,7 @@
 """`msakit eval`: long-context evaluation: loss by position and retrieval under selection policies
 
-Evaluate a model folder (msakit checkpoint, converted MSA model, or HF Llama/Qwen2 folder) on loss by position
+Evaluate a model (a run folder: its model/ or newest checkpoint; a checkpoint; a model folder: msakit, converted
+MSA model, or HF Llama/Qwen2) on loss by position
 over long documents and on generated retrieval tasks (passkey, multi-key needle, variable tracking), exact
 match by teacher forcing, under selection policies: dense, last<N> (dense on the last N tokens), window,
 window0 (window plus block 0), oracle, msa.  On an HF folder, window / oracle policies run on its own
@@ -11,6 +12,7 @@ attention; with msa it gets an untrained index branch at the budget's block size
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,14 +26,18 @@ from msakit.eval.runner import RULER_SAMPLES
 from msakit.models.convert import rope_scaling_dict
 from msakit.ops.index_topk import Selection
 from msakit.eval.loading import load_eval_model, load_eval_tokenizer
+from msakit.eval.runner import model_selection
+from msakit.train.folders import MODEL_DIR, model_folder
 from msakit.train.trainer import resolve_device
 
 DTYPES = ("float32", "bfloat16", "float16")
+FALLBACK_BUDGET = "block64-top8"  # --budget of a model without its own selection (a dense HF folder)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = command_parser(subparsers, __doc__)
-    p.add_argument("--model", required=True, metavar="DIR", help="model folder")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a run folder (its model/, else its newest checkpoint), a checkpoint or a model folder")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: the model folder's)")
     p.add_argument("--tasks", default="loss,passkey,niah,vt", metavar="LIST",
                    help="comma list of loss, passkey, niah, vt, and RULER's tasks (msakit[ruler]): ruler (all 13), "
@@ -39,7 +45,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="4096", metavar="LIST", help="comma list of context lengths in tokens (e.g. 4096,8192)")
     p.add_argument("--depths", default="0.1,0.5,0.9", metavar="LIST", help="comma list of needle depths in [0, 1]")
     p.add_argument("--policies", default="dense", metavar="LIST", help="comma list of dense, last<N>, window, window0, oracle, msa")
-    p.add_argument("--budget", default="block64-top8", metavar="blockB-topK", help="selection budget: blocks of B tokens, K per query")
+    p.add_argument("--budget", default=None, metavar="blockB-topK",
+                   help="selection budget: blocks of B tokens, K per query (default: the model's own selection; "
+                        f"{FALLBACK_BUDGET} for a model without one)")
     p.add_argument("--samples", default="4", metavar="N", help="samples per (task, length, depth); documents per length for loss")
     p.add_argument("--ruler-samples", default=str(RULER_SAMPLES), metavar="N",
                    help=f"samples per RULER task and length (default {RULER_SAMPLES}: standard error at most 5 points "
@@ -104,7 +112,7 @@ def parse_config(args: argparse.Namespace) -> EvalConfig:
         except ValueError as e:
             raise ValueError(f"--policies: {e}") from None
     try:
-        budget = Selection.parse(args.budget)
+        budget = Selection.parse(args.budget if args.budget is not None else FALLBACK_BUDGET)
     except ValueError as e:
         raise ValueError(f"--budget: {e}") from None
     try:
@@ -119,6 +127,22 @@ def parse_config(args: argparse.Namespace) -> EvalConfig:
         raise ValueError(f"invalid settings: {e}") from None
 
 
+def eval_model_folder(path: Path) -> Path:
+    """The model folder `--model` names: a run folder's model/ (what a conversion saves), else a
+    run's newest checkpoint (verified) or the folder itself when it holds config.json."""
+    if (path / MODEL_DIR / "config.json").is_file():
+        return path / MODEL_DIR
+    if (path / "config.json").is_file():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"--model {path}: not found")
+    try:
+        return model_folder(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--model {path}: no model/, checkpoint or config.json in it (expected a run, "
+                                "checkpoint or model folder)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = parse_config(args)
     if args.dtype not in DTYPES:
@@ -128,17 +152,28 @@ def run(args: argparse.Namespace) -> int:
         rope_scaling_dict(args.rope_scaling, 1)  # checked before any loading
     if cfg.ruler_tasks:
         RulerData.find(cfg.ruler_data)  # the data is there (read when the samples are made)
-    model_dir = Path(args.model).expanduser()
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model_dir}: no config.json (expected a model folder)")
+    given_dir = Path(args.model).expanduser()
+    model_dir = eval_model_folder(given_dir)
     device = resolve_device(args.device)
     out = Path(args.out).expanduser()
     check_out(out, resume=args.resume)  # before the model loads; run_eval holds the folder
     dtype = getattr(torch, args.dtype)
-    tokenizer = load_eval_tokenizer(model_dir, args.tokenizer)
-    log = lambda s: print(f"msakit eval: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=log,
+    tokenizer = load_eval_tokenizer(model_dir, args.tokenizer, beside=given_dir)
+    # what loading says is held back until the evaluation starts (after run_eval's checks), so that
+    # a refused command prints its one error line alone
+    held = [f"evaluating {model_dir}"] if model_dir != given_dir else []
+
+    def log(s: str) -> None:
+        for line in [*held, s]:
+            print(f"msakit eval: {line}", file=sys.stderr, flush=True)
+        held.clear()
+
+    model = load_eval_model(model_dir, cfg, device=device, dtype=dtype, init_blocks=init_blocks, log=held.append,
                             rope_scaling=args.rope_scaling)
+    own = model_selection(model)
+    if args.budget is None and own is not None:
+        cfg = dataclasses.replace(cfg, budget=own)
+        held.append(f"budget {own} (the model's own selection)")
     with torch.inference_mode():
         run_eval(model, tokenizer, cfg, out, progress=not args.no_progress, log=log, model_name=str(model_dir),
                  resume=args.resume)

@@ -26,7 +26,9 @@ RESUME_OPTIONS = frozenset({"out", "resume", "steps", "time_budget", "tokenizer"
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = command_parser(subparsers, __doc__)
-    p.add_argument("target", metavar="TARGET", help="the target: run folder (latest checkpoint), checkpoint or model folder")
+    p.add_argument("target", metavar="TARGET", nargs="?", default=None,
+                   help="the target: run folder (latest checkpoint), checkpoint or model folder (with --resume: "
+                        "the run's recorded target; may be omitted)")
     p.add_argument("--out", default="runs/drafter", metavar="DIR", help="run folder (default runs/drafter)")
     add_resume_arg(p, "continue the drafter run in --out (or from CKPT) with its recorded settings; only --steps "
                       "(to train further), --time-budget, --tokenizer, --device, --cache-dir and --no-progress may be "
@@ -47,7 +49,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=POS_INT, default=None, metavar="N", help=f"optimizer steps (default {DEFAULT_STEPS})")
     t.add_argument("--time-budget", type=POS_FLOAT, default=None, metavar="SECONDS",
-                   help="fit the number of steps (and the LR schedule) into this many seconds")
+                   help="fit the number of steps (and the LR schedule) into this many seconds of training, from "
+                        "the pace of steps 10-50; loading the target and preparing the data come on top")
     t.add_argument("--batch-size", type=POS_INT, default=8, metavar="N", help="rows per step")
     t.add_argument("--anchors", type=POS_INT, default=64, metavar="N", help="anchored blocks per row")
     t.add_argument("--lr", type=POS_FLOAT, default=6e-4, help="peak learning rate (AdamW)")
@@ -111,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         if result is None:
             return 0
     else:
+        if args.target is None:
+            raise ValueError("the target (TARGET: run folder, checkpoint or model folder) is required, "
+                             "except with --resume")
         named = given(args)
         if "regen_share" in named and not args.regen_pool:
             raise ValueError("--regen-share applies to a --regen-pool only")

@@ -15,10 +15,13 @@ from msakit.models.io import read_tokenizer_file
 __all__ = ["load_eval_model", "load_eval_tokenizer"]
 
 
-def load_eval_tokenizer(model_dir: Path, path: str | Path | None = None):
-    """The `tokenizers.Tokenizer` of `path` (a tokenizer.json; default the model folder's);
-    ModelFolderError naming the file when it cannot be read."""
+def load_eval_tokenizer(model_dir: Path, path: str | Path | None = None, *, beside: Path | None = None):
+    """The `tokenizers.Tokenizer` of `path` (a tokenizer.json; default the model folder's, else
+    the one in folder `beside`, e.g. the run folder holding the model); ModelFolderError naming
+    the file when it cannot be read."""
     tok = Path(path).expanduser() if path else Path(model_dir) / "tokenizer.json"
+    if not path and not tok.is_file() and beside is not None:
+        tok = Path(beside) / "tokenizer.json"
     if not tok.is_file():
         raise FileNotFoundError(f"no tokenizer at {tok}: give --tokenizer PATH/tokenizer.json")
     return read_tokenizer_file(tok)

@@ -213,6 +213,12 @@ def save_tensors(
     return files
 
 
+def lies_inside(folder: str | os.PathLike[str], name: str) -> bool:
+    """Whether the file `name`, relative to `folder`, lies inside it (not an absolute path, no `..`
+    or link out of it)."""
+    return not Path(name).is_absolute() and (Path(folder) / name).resolve().is_relative_to(Path(folder).resolve())
+
+
 def manifest_entries(folder: str | os.PathLike[str]) -> list[tuple[str, str]]:
     """[(tensor name, file name)] of `folder`'s safetensors index ([] without one), each file checked
     to lie inside `folder` (no absolute path, no `..` or link out of it): ValueError otherwise."""
@@ -224,11 +230,10 @@ def manifest_entries(folder: str | os.PathLike[str]) -> list[tuple[str, str]]:
         items = list(json.loads(index.read_text(encoding="utf-8"))["weight_map"].items())
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         raise ModelFolderError(f"{index}: not a safetensors index ({e})") from None
-    root = folder.resolve()
     for name, fname in items:
         if not isinstance(fname, str) or not fname:
             raise ModelFolderError(f"{index}: the file of tensor {name!r} is not a file name: {fname!r}")
-        if Path(fname).is_absolute() or not (folder / fname).resolve().is_relative_to(root):
+        if not lies_inside(folder, fname):
             raise ModelFolderError(f"{index}: tensor {name!r} names {fname!r}, a file outside {folder}: refused")
     return items
 

@@ -166,8 +166,8 @@ def resume_drafter_run(out: Path, *, target: str | Path | None = None, checkpoin
                        device: torch.device | str = "cpu", cache_dir: str | None = None, progress: bool = True,
                        time_budget: float | None = None, log: Log = say) -> DrafterRun | None:
     """Continue a drafter run from `checkpoint` (default: run folder `out`'s latest) with its
-    recorded target (`target` where it records none), data and settings, to `steps` (default: its
-    own).  None when the run has already reached its steps.  `out` is held (its marker must name
+    recorded target (`target` where it records none; a `target` other than the recorded one is
+    refused), data and settings, to `steps` (default: its own).  None when the run has already reached its steps.  `out` is held (its marker must name
     a drafter run) while the run continues."""
     out = Path(out)
     with resume_dir(out, checkpoint, DRAFTER_COMMAND, (DRAFTER_COMMAND,)):
@@ -183,7 +183,13 @@ def _resume(out: Path, *, target: str | Path | None, checkpoint: Path | None, st
         return None
     ck, state, cfg = point
     meta = state.get("meta", {})
-    target_path = Path(meta.get("target", target))
+    recorded = meta.get("target")
+    if recorded is None and target is None:
+        raise ValueError(f"{ck} records no target; give the target (TARGET) with --resume")
+    if recorded is not None and target is not None and Path(target).resolve() != Path(recorded).resolve():
+        raise ValueError(f"the run's target is {recorded}; resume it without TARGET (or with that one), "
+                         f"not {target}")
+    target_path = Path(recorded if recorded is not None else target)
     folder = target_folder(target_path)
     model = load_target(folder, device)
     tok = _target_tokenizer(tokenizer, folder, target_path)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from msakit.distributed.checkpoint import STATE_FILE, is_sharded_checkpoint, read_state
-from msakit.models.io import ModelFolderError, reading
+from msakit.models.io import ModelFolderError, lies_inside, reading
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -441,6 +441,8 @@ def verify_checkpoint(ckpt: str | os.PathLike) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{ck / MANIFEST} is not an msakit checkpoint manifest")
     for f, digest in manifest["files"].items():
+        if not f or not lies_inside(ck, f):
+            raise CheckpointError(f"{ck / MANIFEST} names {f!r}, a file outside {ck}: refused")
         fp = ck / f
         if not fp.is_file():
             raise CheckpointError(f"checkpoint {ck} is incomplete: {f} is missing")

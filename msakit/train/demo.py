@@ -8,8 +8,9 @@
    planned so that the run fits (``--budget``, default 180 s for the whole demo); full attention
    first (the indexer learns by KL), sparse attention for the last part;
 4. evaluation of the same weights with dense and with sparse attention on the validation split
-   (the bar: sparse within 3% of dense), indexer recall against the oracle top-k per layer,
-   expert load balance; a generated sample;
+   (the bar: sparse within 3% of dense, tested only once dense is MIN_CONTEXT_GAIN below a
+   context-free model's loss: "NOT TESTED" before), indexer recall against the oracle top-k per
+   layer, expert load balance; a generated sample;
 5. ``runs/demo/``: report.md, metrics.jsonl, loss.png, recall.png, the checkpoint and tokenizer.
 
 ``--out`` must be new, empty, or an earlier demo's output (its run-folder marker,
@@ -59,6 +60,10 @@ PROFILES: dict[str, dict[str, Any]] = {
                   recall_rows=4, sample_tokens=200, calib_steps=12, tokenizer_bytes=None),
 }
 BAR = 0.03
+# nats/token the dense model must be below a context-free model (the training tokens' unigram
+# frequencies) for the dense-vs-sparse comparison to test the selection: a model that has learned
+# little from context loses little when keys are dropped, whatever the indexer picks
+MIN_CONTEXT_GAIN = 0.5
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 
 
@@ -84,6 +89,34 @@ def _plan_steps(hist: list[dict], remaining: float, ncal: int, prof: dict, max_s
     n = max(ncal + 8, min(max_steps, n))
     n_sparse = min(n - ncal, max(12, int(round(f * n))))
     return n, n_sparse, {"t_dense_s": t_dense, "t_sparse_s": t_sparse, "t_kl_step_s": t_kl, "t_plain_step_s": t_no}
+
+
+def unigram_loss(train: Any, batches: Sequence[Any], vocab_size: int) -> float:
+    """Cross-entropy (nats/token) on the labels of `batches` of a context-free model: the
+    add-one-smoothed unigram frequencies of the training tokens (`train`: PackedRows)."""
+    counts = torch.bincount(torch.as_tensor(train.stream.tokens, dtype=torch.int64), minlength=vocab_size)
+    logp = torch.log((counts[:vocab_size] + 1).double() / (counts[:vocab_size].sum() + vocab_size))
+    labels = torch.cat([b.labels.reshape(-1) for b in batches])
+    labels = labels[labels != -100]
+    return float(-logp[labels].mean()) if labels.numel() else math.nan
+
+
+def verdict(dense: float, sparse: float, unigram: float) -> tuple[str, str]:
+    """("PASS" | "FAIL" | "NOT TESTED", the sentence that says why) of the dense-vs-sparse
+    comparison: it tests the selection only once the dense model is MIN_CONTEXT_GAIN nats/token
+    below the context-free `unigram` loss; then sparse must be within BAR of dense."""
+    gap = (sparse - dense) / dense
+    gain = unigram - dense
+    if not gain >= MIN_CONTEXT_GAIN:
+        return "NOT TESTED", (
+            f"dense is {gain:+.2f} nats/token from a context-free model's {unigram:.3f} (the training tokens' "
+            f"unigram frequencies; at least {MIN_CONTEXT_GAIN} below it is needed): the model has learned too little "
+            "from context for sparse vs dense to test the selection, so the demo shows the pipeline runs end to "
+            "end; a longer --budget (or --preset small on a GPU) trains a model where the comparison means something")
+    kept = (unigram - sparse) / gain
+    word = "PASS" if gap <= BAR else "FAIL"
+    return word, (f"sparse is {100 * gap:+.2f}% from dense (bar {100 * BAR:.0f}%) and keeps {100 * kept:.1f}% of "
+                  f"what dense gains over a context-free model ({gain:.2f} nats/token)")
 
 
 def run_demo(*, preset: str = "tiny", out: str | Path = "runs/demo", device: str = "auto", budget: float | None = None,
@@ -232,13 +265,20 @@ def _run_demo(preset: str, out: Path, mode: str, device, budget: float, steps: i
             left = budget - (time.time() - t_start) - 3.0
             rows = max(B, min(rows, B * int(0.8 * left / max(1e-6, 2.5 * t_fwd))))
         final = eval_batches(pd.val, B, rows)
+        log(f"final evaluation of the same weights on {rows} validation rows: sparse attention with the indexer's "
+            f"recall on {prof['recall_rows']} rows ...")
         ev_s = trainer.evaluate(mode="sparse", batches=final, recall_rows=prof["recall_rows"], compute_kl=False)
+        log(f"  sparse {ev_s['loss']:.4f} ({time.time() - t0:.0f}s); dense attention ...")
         ev_d = trainer.evaluate(mode="dense", batches=final, recall_rows=0, compute_kl=False)
         model.set_attention_mode("sparse")
         gap = (ev_s["loss"] - ev_d["loss"]) / ev_d["loss"]
+        uni = unigram_loss(pd.train, final, tok.vocab_size)
+        word, why = verdict(ev_d["loss"], ev_s["loss"], uni)
+        log(f"  dense {ev_d['loss']:.4f}, context-free (unigram) {uni:.4f} ({time.time() - t0:.0f}s)")
         layers = ev_s.get("layers", [])
         rec = {"kind": "final", "step": trainer.step, "val_loss_dense": ev_d["loss"], "val_loss_sparse": ev_s["loss"],
-               "relative_gap": gap, "val_tokens": ev_s["tokens"],
+               "val_loss_unigram": uni, "relative_gap": gap, "verdict": word, "verdict_reason": why,
+               "val_tokens": ev_s["tokens"],
                "recall_per_layer": [x["recall"] for x in layers], "oracle_per_layer": [x["oracle"] for x in layers],
                "recall_far_per_layer": [x["recall_far"] for x in layers],
                "oracle_far_per_layer": [x["oracle_far"] for x in layers], "kl_per_layer": [x["kl"] for x in layers],
@@ -250,6 +290,7 @@ def _run_demo(preset: str, out: Path, mode: str, device, budget: float, steps: i
         t0 = time.time()
         ids = tok.encode(prompt) or [tok.eos_id]
         n_new = min(prof["sample_tokens"], mcfg.max_position_embeddings - len(ids))
+        log(f"sampling {max(0, n_new)} tokens (sparse attention) ...")
         gen = torch.Generator(device="cpu").manual_seed(seed)
         streamer = TextStreamer(tok, stream=_NullStream(), eos_id=tok.eos_id)
         with torch.no_grad(), autocast_for(device):
@@ -258,6 +299,7 @@ def _run_demo(preset: str, out: Path, mode: str, device, budget: float, steps: i
         sample = prompt + streamer.text()
         t_sample = time.time() - t0
 
+        log("writing the plots and the report ...")
         write_plots(work / METRICS_FILE, work, switch_step=cfg.dense_warmup_steps if n_sparse else None)
         recs = read_metrics(work / METRICS_FILE)
         train_loads = [r["load_balance"] for r in recs if r.get("kind") == "train" and r.get("load_balance")]
@@ -362,7 +404,6 @@ def fmt_list(xs, nd=3) -> str:
 def _report(i: dict, out: Path) -> str:
     f = i["final"]
     cfg, tc = i["config"], i["train_cfg"]
-    ok = f["relative_gap"] <= BAR
     n_sparse = tc.steps - tc.dense_warmup_steps
     lines = [
         "# msakit demo report",
@@ -383,8 +424,17 @@ def _report(i: dict, out: Path) -> str:
         f"{cfg.index_block_size * cfg.index_topk_blocks} of {_ctx(i)} keys per query) | {f['val_loss_sparse']:.4f} | "
         f"{math.exp(f['val_loss_sparse']):.2f} |",
         "",
-        f"Relative gap (sparse - dense) / dense = **{100 * f['relative_gap']:+.2f}%** "
-        f"-> {'PASS' if ok else 'FAIL'} (bar: within {100 * BAR:.0f}%).",
+        f"| context-free (the training tokens' unigram frequencies) | {f['val_loss_unigram']:.4f} | "
+        f"{math.exp(f['val_loss_unigram']):.2f} |",
+        "",
+        f"Relative gap (sparse - dense) / dense = **{100 * f['relative_gap']:+.2f}%** -> **{f['verdict']}**: "
+        f"{f['verdict_reason']}.",
+        "",
+        "What the comparison can show: that MSA's selection (the indexer's top-k blocks) keeps what this model "
+        "takes from its context.  What it cannot: a model that takes little from context (near the context-free "
+        "loss) loses little when keys are dropped, whatever is selected, and a model this small at this context "
+        "mostly uses nearby tokens, which the forced own block keeps; long-range retrieval is `msakit eval`'s "
+        "(passkey, needle, variable tracking).",
         "",
         "## Indexer recall",
         "",
@@ -447,7 +497,8 @@ def _report(i: dict, out: Path) -> str:
         "## Files",
         "",
         "- `metrics.jsonl`: train records every 5 steps, validation records, the final dense/sparse record",
-        "- `loss.png`, `recall.png`: curves",
+        "- `loss.png`: loss curves; `recall.png`: indexer recall per layer (over the steps, or the last "
+        "evaluation's bars when there are too few)",
         f"- `{Path(str(i['checkpoint'])).relative_to(Path(str(i['checkpoint'])).parents[1]) if i['checkpoint'] else 'checkpoints/'}`: "
         "weights (safetensors, HF MiniMax-M3 names), optimizer, RNG and data-loader state, manifest with sha256",
         "- `tokenizer.json`",
@@ -462,4 +513,5 @@ def _ctx(i: dict) -> int:
     return PROFILES[i["preset"]]["context"]
 
 
-__all__ = ["run_demo", "PROFILES", "BAR", "DEFAULT_PROMPT", "DEMO_MARKER", "fmt_list"]
+__all__ = ["run_demo", "PROFILES", "BAR", "DEFAULT_PROMPT", "DEMO_MARKER", "MIN_CONTEXT_GAIN", "fmt_list",
+           "unigram_loss", "verdict"]

@@ -19,9 +19,46 @@ def _save(fig, path: Path) -> None:
     os.replace(tmp, path)
 
 
+MIN_CURVE_POINTS = 4  # evaluations (distinct steps) a recall curve needs; fewer: the last one's bars per layer
+
+
+def _num(x) -> float:
+    return float(x) if isinstance(x, (int, float)) else math.nan
+
+
+def _recall_bars(plt, rec: dict, path: Path) -> None:
+    """recall.png of a run with too few evaluations for a curve: the last evaluation's recall
+    and oracle per layer, side by side (and the same for queries past the top-k blocks)."""
+    import numpy as np
+
+    layers = np.arange(len(rec["recall_per_layer"]))
+    series = [("recall", rec["recall_per_layer"], "C0", None), ("oracle top-k", rec.get("oracle_per_layer", []), "C1", None),
+              ("recall, queries past k blocks", rec.get("recall_far_per_layer", []), "C0", "//"),
+              ("oracle, past k blocks", rec.get("oracle_far_per_layer", []), "C1", "//")]
+    series = [s for s in series if len(s[1]) == len(layers)]
+    w = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for j, (label, ys, color, hatch) in enumerate(series):
+        vals = [_num(y) for y in ys]
+        bars = ax.bar(layers + (j - (len(series) - 1) / 2) * w, vals, w, label=label, color=color,
+                      alpha=0.55 if hatch else 0.9, hatch=hatch, edgecolor="white" if not hatch else color)
+        ax.bar_label(bars, labels=[f"{v:.2f}" if math.isfinite(v) else "n/a" for v in vals], fontsize=6)
+    ax.set_xticks(layers, [f"layer {i}" for i in layers])
+    ax.set_ylabel("dense attention mass in selected blocks")
+    ax.set_title(f"indexer recall vs oracle top-k at step {rec.get('step')} "
+                 f"(too few evaluations for a curve)", fontsize=9)
+    ax.set_ylim(0, 1.1)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    _save(fig, path)
+    plt.close(fig)
+
+
 def write_plots(metrics_path: str | os.PathLike, out_dir: str | os.PathLike, *, switch_step: int | None = None) -> list[Path]:
     """Write ``loss.png`` (train / validation loss, the dense->sparse switch marked) and
-    ``recall.png`` (indexer recall per MSA layer with the oracle dashed).  Returns the paths written."""
+    ``recall.png`` (indexer recall per MSA layer over the steps with the oracle dashed; with fewer
+    than MIN_CURVE_POINTS evaluations, the last one's recall and oracle per layer as bars).
+    Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -60,7 +97,10 @@ def write_plots(metrics_path: str | os.PathLike, out_dir: str | os.PathLike, *, 
         plt.close(fig)
         written.append(out / "loss.png")
     rec_evals = [r for r in recs if r.get("kind") in ("eval", "final") and r.get("recall_per_layer")]
-    if rec_evals:
+    if 0 < len({r["step"] for r in rec_evals}) < MIN_CURVE_POINTS:
+        _recall_bars(plt, rec_evals[-1], out / "recall.png")
+        written.append(out / "recall.png")
+    elif rec_evals:
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         nl = len(rec_evals[-1]["recall_per_layer"])
         steps = [r["step"] for r in rec_evals]

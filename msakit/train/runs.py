@@ -308,6 +308,20 @@ def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str |
 
 
 # ----------------------------------------------------------------------------- a conversion run
+def training_budget(time_budget: float | None, t0: float, t_val: float, log: Log) -> float | None:
+    """The seconds the training loop of a run started at `t0` may take for the whole run to end
+    within `time_budget` seconds: what has passed (loading, data, the first validation) and one
+    more validation (`t_val` seconds: the last step's) are taken off; at least one step runs."""
+    if time_budget is None:
+        return None
+    left = time_budget - (time.time() - t0) - t_val
+    if left <= 0:
+        log(f"note: --time-budget {time_budget:g}s is spent before training ({time.time() - t0:.0f}s passed, a "
+            f"validation takes {t_val:.0f}s): one step")
+        return 1e-9
+    return left
+
+
 def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: DataOptions, tokenizer: str | None = None,
                 dtype: str = "float32", index_dim: int | None = None, block_size: int | None = None,
                 topk: int | None = None, init_blocks: int | None = None, index_init: str = "random",
@@ -385,8 +399,10 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
         short = None if short_context is None else eval_batches(
             PackedRows(pd.val.stream, short_context, pd.val.pad_id), train.batch_size, train.eval_rows)
         short_before = short_losses(trainer, short)
+        t_val = time.time()
         before_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
         before_s = trainer.evaluate(mode="sparse", recall_rows=0, compute_kl=False)["loss"]
+        t_val = time.time() - t_val
         if train.train == "index":
             over = "every causal token" if train.kl_tokens == "all" else "the selected tokens"
             plan = f"index-branch warm-up (backbone frozen, full attention, KL over {over}) for {train.steps} steps"
@@ -400,7 +416,7 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
                 f"{before_s:.3f}")
         say_(f"{what}; {plan}")
         describe_run(trainer, say_)
-        trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
+        trainer.fit(max_tokens=max_tokens, budget_s=training_budget(time_budget, t0, t_val, say_))
     ev = trainer.last_eval or {}
     if ev.get("step") == trainer.step and "val_loss_dense" in ev and "val_loss_sparse" in ev:
         after_d, after_s = ev["val_loss_dense"], ev["val_loss_sparse"]
@@ -530,7 +546,7 @@ def _resume_run(out: Path, *, checkpoint: Path | None, steps: int | None, device
         tok.save(out)
     log(f"resumed {ck} at step {trainer.step}")
     describe_run(trainer, log)
-    trainer.fit(max_tokens=max_tokens, budget_s=time_budget)
+    trainer.fit(max_tokens=max_tokens, budget_s=training_budget(time_budget, t0, 0.0, log))
     log(summary_line(trainer, t0))
     mdir = save_model_folder(trainer.model, tok, out / MODEL_DIR) if conversion and main_rank else None
     return RunResult(trainer, mdir)

@@ -46,7 +46,11 @@ def test_demo_pipeline_at_toy_size_replaces_only_an_earlier_demo(toy_profile, tm
     rc = _demo(out, cache)
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "validation loss, same weights: dense" in printed and "PASS" in printed
+    assert "validation loss, same weights: dense" in printed and "context-free" in printed
+    # 4 steps: far from learning anything from context, so the comparison is not called a pass
+    assert "NOT TESTED: dense is" in printed and "PASS" not in printed
+    # the phases after the training bar say what they do
+    assert "final evaluation of the same weights" in printed and "sampling" in printed
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary folders left
     for name in ("report.md", "metrics.jsonl", "loss.png", "recall.png", "tokenizer.json", demo.DEMO_MARKER):
         assert (out / name).is_file(), name
@@ -59,7 +63,9 @@ def test_demo_pipeline_at_toy_size_replaces_only_an_earlier_demo(toy_profile, tm
     assert final["val_loss_sparse"] == pytest.approx(final["val_loss_dense"], rel=1e-5)
     assert all(r == pytest.approx(1.0, abs=1e-5) for r in final["recall_per_layer"])
     report = (out / "report.md").read_text()
-    assert "| dense |" in report and "| sparse" in report and "PASS" in report and "## Sample" in report
+    assert "| dense |" in report and "| sparse" in report and "**NOT TESTED**" in report and "## Sample" in report
+    assert "| context-free" in report and "What the comparison can show" in report
+    assert final["verdict"] == "NOT TESTED" and final["val_loss_unigram"] > 0
     assert main(["generate", str(out), "--max-new-tokens", "4", "--device", "cpu"]) == 0
     # its own output can be refreshed; a user's file added beside it makes it a user folder again
     (out / "notes.txt").write_text("mine")
@@ -117,6 +123,50 @@ def test_full_demo_within_five_minutes(tmp_path, capsys):
     assert time.time() - t0 < 300
     final = [json.loads(x) for x in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["kind"] == "final" and final["relative_gap"] <= demo.BAR
+
+
+def test_verdict_tests_the_selection_only_for_a_model_that_uses_context():
+    # near the context-free loss: not a test of the selection, whatever the gap
+    word, why = demo.verdict(dense=6.8, sparse=6.81, unigram=6.6)
+    assert word == "NOT TESTED" and "context-free" in why
+    word, why = demo.verdict(dense=4.0, sparse=4.05, unigram=6.0)
+    assert word == "PASS" and "97.5%" in why  # keeps (6 - 4.05) / (6 - 4) of the gain
+    assert demo.verdict(dense=4.0, sparse=4.2, unigram=6.0)[0] == "FAIL"
+
+
+def test_unigram_loss_is_the_smoothed_frequencies_cross_entropy():
+    import math
+
+    import numpy as np
+    import torch
+
+    from msakit.train.data import Batch, PackedRows, TokenStream
+
+    stream = TokenStream(np.array([0, 0, 0, 1], dtype=np.int32), np.array([0, 4], dtype=np.int64), ["a"], [])
+    rows = PackedRows(stream, 4, pad_id=3)
+    labels = torch.tensor([[0, 1, -100, 2]])
+    b = Batch(labels.clamp(min=0), labels, [torch.tensor([0, 4], dtype=torch.int32)])
+    # counts + 1 over a vocabulary of 3: p = (4, 2, 1) / 7
+    want = -(math.log(4 / 7) + math.log(2 / 7) + math.log(1 / 7)) / 3
+    assert demo.unigram_loss(rows, [b], 3) == pytest.approx(want)
+
+
+def test_recall_plot_of_a_short_run_is_per_layer_bars(tmp_path):
+    from msakit.train import plots
+
+    recs = [{"kind": "train", "step": 1, "loss": 6.0}, {"kind": "eval", "step": 2, "val_loss": 5.0,
+            "recall_per_layer": [0.5, 0.6], "oracle_per_layer": [0.7, 0.8]},
+            {"kind": "final", "step": 2, "val_loss_dense": 5.0, "recall_per_layer": [0.55, float("nan")],
+             "oracle_per_layer": [0.7, 0.8], "recall_far_per_layer": [None, 0.3], "oracle_far_per_layer": [0.4, 0.5]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs).replace("NaN", "null"))
+    calls = []
+    orig = plots._recall_bars
+    plots_bars = lambda *a: (calls.append(a[1]["step"]), orig(*a))  # noqa: E731
+    import unittest.mock
+
+    with unittest.mock.patch.object(plots, "_recall_bars", plots_bars):
+        written = plots.write_plots(tmp_path / "metrics.jsonl", tmp_path)
+    assert calls == [2] and tmp_path / "recall.png" in written and (tmp_path / "recall.png").stat().st_size > 0
 
 
 def test_publishing_into_an_empty_folder_moves_the_files_up(tmp_path):
