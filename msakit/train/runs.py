@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

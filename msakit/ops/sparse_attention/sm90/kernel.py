@@ -91,7 +91,7 @@ class SparseFwdSm90:
         tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKt, one, (BLOCK, D))
         tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mVt, one, (BLOCK, D))
         tx_bytes = BLOCK * D * 2
-        B, T, Hq = mQ.shape[0], mQ.shape[1], mQ.shape[2]
+        B, T = mQ.shape[0], mQ.shape[1]
         G = mK.shape[2]
         ntiles = (T + self.queries - 1) // self.queries
         buf_bytes = cute.cosize(s_layout) * 2
