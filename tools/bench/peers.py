@@ -44,6 +44,13 @@ if os.path.isdir(SITE):
     site.addsitedir(SITE)
 
 
+def m3_inputs(T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 q [1, T, Hq, D], k and v [1, T, G, D] at the M3 shape (seed 0)."""
+    Hq, G, D = (M3_SHAPE[k] for k in ("Hq", "G", "D"))
+    g = torch.Generator(device=device).manual_seed(0)
+    return tuple(torch.randn(1, T, h, D, device=device, generator=g, dtype=torch.bfloat16) for h in (Hq, G, G))
+
+
 def selection(kind: str, T: int, *, G: int, block_size: int, topk: int, device) -> torch.Tensor:
     """int32 [1, G, T, topk] of the named kind."""
     from benchmarks.selections import real_like_block_idx, trained_like_block_idx
@@ -129,10 +136,7 @@ def run(T_list, kinds, *, peers=PEERS, check_rows: int = 64,
     per_group, scale = Hq // G, 1.0 / math.sqrt(D)
     rows_out = []
     for T in T_list:
-        g = torch.Generator(device=dev).manual_seed(0)
-        q = torch.randn(1, T, Hq, D, device=dev, generator=g, dtype=torch.bfloat16)
-        k = torch.randn(1, T, G, D, device=dev, generator=g, dtype=torch.bfloat16)
-        v = torch.randn(1, T, G, D, device=dev, generator=g, dtype=torch.bfloat16)
+        q, k, v = m3_inputs(T, dev)
         flops = 4.0 * Hq * D * bs * topk * T
         check = sample_rows(T, check_rows, bs, torch.Generator().manual_seed(1))
         for kind in kinds:
@@ -219,10 +223,7 @@ def union_sweep(T_list, kinds, *, verbose=True) -> list[dict]:
     qt = union_q_tile(Hq // G, topk)
     out = []
     for T in T_list:
-        g = torch.Generator(device=dev).manual_seed(0)
-        q = torch.randn(1, T, Hq, D, device=dev, generator=g, dtype=torch.bfloat16)
-        k = torch.randn(1, T, G, D, device=dev, generator=g, dtype=torch.bfloat16)
-        v = torch.randn(1, T, G, D, device=dev, generator=g, dtype=torch.bfloat16)
+        q, k, v = m3_inputs(T, dev)
         check = sample_rows(T, 64, bs, torch.Generator().manual_seed(1))
         flops = 4.0 * Hq * D * bs * topk * T
         for kind in kinds:

@@ -31,7 +31,7 @@ keys, a combine kernel, one launch each) or "ticket" (one launch of the whole st
 per work item), the same work items and math (kernels in triton.py); "auto" (the default) takes
 "ticket" for fp8 index keys with nq >= 2 and "split" otherwise (measured on an H100 at 1M, batch
 1: split 118 / 81 us against ticket 123 / 84 at nq = 1 with bf16 / fp8 keys; at nq = 4 split 154
-against 208 with bf16 keys, ticket 169 against 204 with fp8 keys; benchmarks/NOTES.md run 28,
+against 208 with bf16 keys, ticket 169 against 204 with fp8 keys; docs/kernels.md,
 where a third launch, ~2 programs per SM looping over the items, lost everywhere and was removed).  For nq > 1 every launch reads each index-key page
 once for all nq * G index queries and each selected K / V page once per (group, query chunk of up
 to 128 / heads-per-group queries) for all the queries that selected it.

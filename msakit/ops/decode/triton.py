@@ -618,12 +618,34 @@ def _ticket_kernel(
     (sequence-major, then group-and-query-chunk, then split)."""
     total = B * S + B * G * NQC * NSA
     t = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
-    if t < total:
-        _work_item(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
-                   cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr,
-                   o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA, work_ptr + 2, t, B * S, NQ, G, DI, PS, TOPK, KP, MP, MR,
-                   LOCAL, INIT, CODE_IDX, V2, TMA, PCH, CL, NC_PAD, RB1, RB2, NUM_STAGES, HPG, D, QC, NQC, MA,
-                   KV_FP8, CODE_KV, NSA_PAD, RETURN_LSE)
+    n_score = B * S
+    flags = work_ptr + 2  # one ready flag per sequence
+    if t < total:  # a scoring split (its final merge raises the sequence's ready flag) or an attention
+        # split that first waits for that flag
+        if t < n_score:
+            b = t // S
+            if V2:
+                _score_v2(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
+                          cnt1_ptr, cnt2_ptr, bidx_ptr, flags, b, t - b * S, S, NC, W, NQ, G, DI, PS, TOPK, KP, MP, MR,
+                          LOCAL, INIT, CODE_IDX, TMA, PCH, CL, NC_PAD, RB1, RB2, NUM_STAGES, True)
+            else:
+                _score_v1(qi_ptr, kidx_ptr, pt_ptr, pt_stride, sl_ptr, cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr,
+                          flags, b, t - b * S, S, NC, NQ, G, DI, PS, TOPK, KP, MP, MR, LOCAL, INIT, CODE_IDX, CL,
+                          NC_PAD, RB1, RB2, NUM_STAGES, True)
+        else:
+            per_b = G * NQC * NSA
+            u = t - n_score
+            b = u // per_b
+            rem = u - b * per_b
+            rc = rem // NSA
+            # every scoring ticket precedes this one: the programs that hold them are running and wait
+            # on nothing, so the flag rises (in the interpreter this program scored b itself)
+            ready = tl.atomic_add(flags + b, 0, sem="acquire", scope="gpu")
+            while ready == 0:
+                ready = tl.atomic_add(flags + b, 0, sem="acquire", scope="gpu")
+            _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pt_ptr, pt_stride, sl_ptr, bidx_ptr, op_ptr, lp_ptr, o_ptr,
+                    lse_ptr, cnt3_ptr, qk_scale, NSA, b, rc, rem - rc * NSA, NQ, G, HPG, D, PS, TOPK, KP, QC, NQC, MA,
+                    KV_FP8, CODE_KV, True, NSA_PAD, RETURN_LSE)
     # the last program to leave (all items done) resets the queue for the next call
     left = tl.atomic_add(work_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if left == tl.num_programs(0) - 1:
@@ -634,46 +656,6 @@ def _ticket_kernel(
             tl.store(work_ptr + 2 + b0 + i, 0, mask=b0 + i < B)
 
 
-@triton.jit
-def _work_item(
-    qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr,
-    cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr, S, NC, W,
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, op_ptr, lp_ptr, o_ptr, lse_ptr, cnt3_ptr, qk_scale, NSA, flag_ptr, t,
-    n_score,
-    NQ: tl.constexpr, G: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
-    TOPK: tl.constexpr, KP: tl.constexpr, MP: tl.constexpr, MR: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr, CODE_IDX: tl.constexpr, V2: tl.constexpr,
-    TMA: tl.constexpr, PCH: tl.constexpr,
-    CL: tl.constexpr, NC_PAD: tl.constexpr, RB1: tl.constexpr, RB2: tl.constexpr, NUM_STAGES: tl.constexpr,
-    HPG: tl.constexpr, D: tl.constexpr, QC: tl.constexpr, NQC: tl.constexpr, MA: tl.constexpr,
-    KV_FP8: tl.constexpr, CODE_KV: tl.constexpr, NSA_PAD: tl.constexpr, RETURN_LSE: tl.constexpr,
-):
-    """Work item t of `_ticket_kernel`: a scoring split (its final merge raises the
-    sequence's ready flag), or an attention split that first waits for that flag."""
-    if t < n_score:
-        b = t // S
-        if V2:
-            _score_v2(qi_ptr, kidx_ptr, kdesc, kscale_ptr, pt_ptr, pt_stride, sl_ptr, bmax_ptr, cand_ptr, cand2_ptr,
-                      cnt1_ptr, cnt2_ptr, bidx_ptr, flag_ptr, b, t - b * S, S, NC, W, NQ, G, DI, PS, TOPK, KP, MP, MR,
-                      LOCAL, INIT, CODE_IDX, TMA, PCH, CL, NC_PAD, RB1, RB2, NUM_STAGES, True)
-        else:
-            _score_v1(qi_ptr, kidx_ptr, pt_ptr, pt_stride, sl_ptr, cand_ptr, cand2_ptr, cnt1_ptr, cnt2_ptr, bidx_ptr,
-                      flag_ptr, b, t - b * S, S, NC, NQ, G, DI, PS, TOPK, KP, MP, MR, LOCAL, INIT, CODE_IDX, CL,
-                      NC_PAD, RB1, RB2, NUM_STAGES, True)
-    else:
-        per_b = G * NQC * NSA
-        u = t - n_score
-        b = u // per_b
-        rem = u - b * per_b
-        rc = rem // NSA
-        # every scoring ticket precedes this one: the programs that hold them are running and wait
-        # on nothing, so the flag rises (in the interpreter this program scored b itself)
-        ready = tl.atomic_add(flag_ptr + b, 0, sem="acquire", scope="gpu")
-        while ready == 0:
-            ready = tl.atomic_add(flag_ptr + b, 0, sem="acquire", scope="gpu")
-        _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pt_ptr, pt_stride, sl_ptr, bidx_ptr, op_ptr, lp_ptr, o_ptr,
-                lse_ptr, cnt3_ptr, qk_scale, NSA, b, rc, rem - rc * NSA, NQ, G, HPG, D, PS, TOPK, KP, QC, NQC, MA,
-                KV_FP8, CODE_KV, True, NSA_PAD, RETURN_LSE)
 def _tma_ok(k_idx: torch.Tensor) -> bool:
     """Whether the index-key pool [P, PS, Di] can be read through one [P * PS, Di] tensor map."""
     return k_idx.is_contiguous() and k_idx.data_ptr() % 16 == 0 and (k_idx.shape[2] * k_idx.element_size()) % 16 == 0

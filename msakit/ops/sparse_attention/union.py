@@ -16,7 +16,7 @@ no host sync): per tile the sorted distinct valid blocks (`ulist` int32 [B, G, n
 
 Choice (`sparse_attention`'s forward): the plan (about 1% of the forward) gives every tile's ratio;
 at a mean ratio up to `UNION_MAX_RATIO` the union kernel takes the whole call, else the KV-outer
-kernel does (one host sync; a per-tile mix of the two, measured in run 26, gained nothing over the
+kernel does (one host sync; a per-tile mix of the two, measured, gained nothing over the
 better of them; sampling tiles in torch cost 0.7-1 ms a call, more than the plan).  The backward is the
 KV-outer backward either way (the same o and lse).
 """
@@ -31,9 +31,9 @@ from ..dispatch import interpret_mode
 
 __all__ = ["union_plan", "union_supports", "union_q_tile", "sparse_attention_fwd_union", "UNION_MAX_RATIO"]
 
-UNION_ROWS = 128  # MMA rows per tile (run 26b: 8 queries x 16 heads beat 4 x 16 on every shape measured)
+UNION_ROWS = 128  # MMA rows per tile (8 queries x 16 heads beat 4 x 16 on every shape measured, docs/kernels.md)
 # The union kernel runs ~360 TFLOP/s on the union's work and the KV-outer kernel ~220 on the useful
-# work (H100, M3 shape, run 26b), so the union pays below a mean ratio of ~1.6.
+# work (H100, M3 shape, docs/kernels.md), so the union pays below a mean ratio of ~1.6.
 UNION_MAX_RATIO = 1.6
 
 
@@ -196,7 +196,7 @@ def sparse_attention_fwd_union(
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
     kc, vc = k.contiguous(), v.contiguous()
-    # TMA loads of K / V on Hopper (run 26b: 1.00-1.17x over pointer loads on every shape measured)
+    # TMA loads of K / V on Hopper (1.00-1.17x over pointer loads on every shape measured, docs/kernels.md)
     use_tma = (q.is_cuda and not interpret_mode() and torch.cuda.get_device_capability(q.device)[0] >= 9
                and block_size & (block_size - 1) == 0 and D & (D - 1) == 0)
     kd, vd = kc, vc

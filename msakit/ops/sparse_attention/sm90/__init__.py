@@ -11,7 +11,7 @@ times 128 rows: about 1x the useful work on selections whose neighbouring querie
 times it on uniform random ones (docs/kernels.md).  The intended dispatch runs this kernel on sm_90 CUDA tensors it supports when the union is at most `MAX_UNION_RATIO`
 times the selected blocks.
 
-Status: NOT dispatched.  On an H100 (run 27, benchmarks/NOTES.md) it compiled and ran at 417-490
+Status: NOT dispatched.  On an H100 (docs/kernels.md) it compiled and ran at 417-490
 TFLOP/s on trained-like selections but its output is wrong (relative error 0.3-0.7 against the
 reference), so `sparse_attention` does not call it until the kernel passes its
 CUDA test (`tests/ops/test_sparse_sm90.py`, marked as an expected failure meanwhile).
