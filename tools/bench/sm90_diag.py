@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 T, HQ, D, BS, Q = 384, 16, 128, 128, 8  # tokens, heads, head dim, block, queries per tile
 
 
-def craft(entries_for_tile, device):
+def craft(entries_for_tile, device, T=T):
     """(work [1, 1, nt, cap], count [1, 1, nt]) from entries_for_tile(tile) -> [(block, mask), ...]."""
     import torch
 
@@ -61,6 +61,7 @@ def reference(q, k, v, lists, scale):
     """fp32 attention of each row over the keys its tile's entries allow it (mask bit, causal)."""
     import torch
 
+    T = q.shape[1]
     allow = torch.zeros(T, T, dtype=torch.bool)
     for t, ents in enumerate(lists):
         for blk, mask in ents:
@@ -136,6 +137,84 @@ def row_lse_map(lse, rlse, lists) -> list:
     return out
 
 
+def _to_cute(t, align):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def variants(dev, scale) -> list:
+    """Several entries per tile (2 and 8, all queries, no causal block) under each (consumers,
+    stages) build: which builds get several entries right."""
+    import torch
+
+    from msakit.ops.sparse_attention import sm90
+
+    out = []
+    gen = torch.Generator().manual_seed(5)
+    for T, nblk in ((384, 2), (1152, 8)):
+        q = torch.randn(1, T, HQ, D, generator=gen).to(dev, torch.bfloat16)
+        k, v = (torch.randn(1, T, 1, D, generator=gen).to(dev, torch.bfloat16) for _ in range(2))
+        ents = lambda t, nblk=nblk: [(b, 0xFF) for b in range(nblk)] if t * Q >= nblk * BS else []
+        work, count, lists = craft(ents, dev, T=T)
+        ro, rlse = reference(q, k, v, lists, scale)
+        dummy = torch.zeros(1, 1, T, 1, dtype=torch.int32, device=dev)
+        for cons, stages in ((2, 2), (2, 1), (2, 3), (1, 2), (1, 1)):
+            sm90.CONFIG.update(consumers=cons, stages=stages)
+            try:
+                o, lse = sm90.sparse_attention_fwd_sm90(q, k, v, dummy, BS, scale, worklist=(work, count))
+                torch.cuda.synchronize()
+                res = analyse(f"{nblk} entries, consumers={cons} stages={stages}", o, lse, ro, rlse, False, lists)
+            except Exception as ex:  # noqa: BLE001  (report and go on)
+                res = {"exp": f"{nblk} entries, consumers={cons} stages={stages}", "error": f"{type(ex).__name__}: {ex}"[:600]}
+                print(res, flush=True)
+            out.append(res)
+    sm90.CONFIG.update(consumers=2, stages=2)
+    return out
+
+
+def debug_dump(dev, scale) -> dict:
+    """The debug build on two entries (blocks 0 and 1) for the tile of queries 256..263: the K
+    buffer and the raw S the first warpgroup sees at entry 1, against K[128:256] and Q K^T."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import torch
+    from cutlass import cute
+
+    from msakit.ops.sparse_attention.sm90.kernel import SparseFwdSm90
+
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, T, HQ, D, generator=gen).to(dev, torch.bfloat16)
+    k, v = (torch.randn(1, T, 1, D, generator=gen).to(dev, torch.bfloat16) for _ in range(2))
+    work, count, _ = craft(lambda t: [(0, 0xFF), (1, 0xFF)] if t * Q >= 2 * BS else [], dev)
+    o = torch.zeros_like(q)
+    lse = torch.zeros(1, HQ, T, device=dev)
+    dbg = torch.full((2, 128, 128), float("nan"), device=dev)
+    args = [_to_cute(t, 16) for t in (q, k, v, o)] + [_to_cute(t, 4) for t in (lse, work, count, dbg)]
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    fn = cute.compile(SparseFwdSm90(2, 2, debug_tile=32), *args, cutlass.Float32(scale), stream)
+    fn(*args, cutlass.Float32(scale), stream)
+    torch.cuda.synchronize()
+    k1 = k[0, 128:256, 0].float()
+    kbuf = dbg[0]
+    res = {"kbuf_nan": int(torch.isnan(kbuf).sum()), "kbuf_zero_frac": float((kbuf == 0).float().mean()),
+           "kbuf_vs_k1_max_err": float((kbuf - k1).abs().max()),
+           "kbuf_vs_k0_max_err": float((kbuf - k[0, 0:128, 0].float()).abs().max())}
+    # rows of warpgroup 0: queries 256..259 x 16 heads (row = query-in-tile * 16 + head)
+    qrows = q[0, 256:260].float().reshape(64, D)
+    s_ref = qrows @ k1.T
+    s = dbg[1, :64]
+    res.update({"s_nan": int(torch.isnan(s).sum()), "s_zero_frac": float((s == 0).float().mean()),
+                "s_vs_ref_max_err": float((s - s_ref).abs().max()), "s_ref_absmax": float(s_ref.abs().max()),
+                "s_vs_kbuf_max_err": float((s - qrows @ kbuf.T).abs().max())})
+    if res["kbuf_vs_k1_max_err"] > 1e-3:  # where the buffer differs: rows / columns
+        bad = (kbuf - k1).abs() > 1e-3
+        res["kbuf_bad_rows"] = [int(x) for x in bad.any(1).nonzero().flatten()[:40]]
+        res["kbuf_bad_cols"] = [int(x) for x in bad.any(0).nonzero().flatten()[:40]]
+    print("debug dump:", json.dumps(res), flush=True)
+    return res
+
+
 def main() -> None:
     import torch
 
@@ -198,6 +277,8 @@ def main() -> None:
             tensors[f"{name}_ref"] = ro.contiguous()
             tensors[f"{name}_lse"] = lse[0].float().cpu().contiguous()
             tensors[f"{name}_ref_lse"] = rlse.contiguous()
+    report["variants"] = variants(dev, scale)
+    report["debug_dump"] = debug_dump(dev, scale)
     out = Path(os.environ.get("OUT", "."))
     (out / "sm90_diag.json").write_text(json.dumps(report, indent=1))
     try:

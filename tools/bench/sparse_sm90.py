@@ -258,6 +258,8 @@ def main(argv=None) -> None:
     ap.add_argument("--union-stats", action="store_true", help="CPU: union size per tile of 4 / 8 / 16 queries")
     ap.add_argument("--T", type=int, nargs="+", default=[16384, 131072, 1048576], help="benchmark lengths")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--consumers", type=int, default=None, help="consumer warpgroups (default: sm90.CONFIG)")
+    ap.add_argument("--stages", type=int, default=None, help="pipeline stages (default: sm90.CONFIG)")
     args = ap.parse_args(argv)
     if args.compile_only:
         print(json.dumps(compile_only(args.compile_only), indent=1))
@@ -274,11 +276,16 @@ def main(argv=None) -> None:
         raise SystemExit("needs a CUDA GPU (or --compile-only / --union-stats)")
     from msakit.ops.sparse_attention import sm90
 
+    if args.consumers is not None:
+        sm90.CONFIG["consumers"] = args.consumers
+    if args.stages is not None:
+        sm90.CONFIG["stages"] = args.stages
     dev = torch.device("cuda")
     rep = {"versions": versions(), "dsl_available": sm90.dsl_available(), "started": time.time()}
     print(json.dumps(rep["versions"]), flush=True)
     out_dir = Path(os.environ.get("OUT", "."))
-    path = out_dir / f"sparse_sm90_{rep['versions']['gpu'].replace(' ', '_')}.json"
+    tag = f"c{sm90.CONFIG['consumers']}s{sm90.CONFIG['stages']}"
+    path = out_dir / f"sparse_sm90_{rep['versions']['gpu'].replace(' ', '_')}_{tag}.json"
 
     def save():
         path.write_text(json.dumps(rep, indent=1))

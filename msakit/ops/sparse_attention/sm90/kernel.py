@@ -61,11 +61,14 @@ class SparseFwdSm90:
     """The kernel of the module docstring; `consumers` consumer warpgroups (1 or 2: tiles of 4 or
     8 queries), `stages` buffers per pipeline."""
 
-    def __init__(self, consumers: int = 2, stages: int = 2):
+    def __init__(self, consumers: int = 2, stages: int = 2, debug_tile: int = -1):
         if consumers not in (1, 2) or stages < 1:
             raise ValueError(f"consumers must be 1 or 2 and stages >= 1, got {consumers}, {stages}")
         self.consumers = consumers
         self.stages = stages
+        # debug_tile >= 0: for that tile (g = b = 0) the first consumer warpgroup writes, at its
+        # work entry 1, the K buffer it reads (mDbg[0]: 128 x 128) and the raw S (mDbg[1, :64])
+        self.debug_tile = debug_tile
         self.queries = consumers * WG_ROWS // HPG
         self.threads = 128 * (1 + consumers)
         self.producer_regs, self.consumer_regs = (40, 232) if consumers == 2 else (56, 240)
@@ -74,7 +77,7 @@ class SparseFwdSm90:
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mWork: cute.Tensor, mCount: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+                 mWork: cute.Tensor, mCount: cute.Tensor, mDbg: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         bf16 = cutlass.BFloat16
         mQ, mK, mV, mO = [_aligned_strides(t) for t in (mQ, mK, mV, mO)]
         # (B, T, G, D) -> (T, D, G, B): a block of one (g, b) is a (BLOCK, D) tile of the first two modes
@@ -96,7 +99,7 @@ class SparseFwdSm90:
         ntiles = (T + self.queries - 1) // self.queries
         buf_bytes = cute.cosize(s_layout) * 2
         smem = 2 * buf_bytes + 2048  # K, V rings + mbarriers (4 * stages) + alignment
-        self.kernel(mQ, tma_k, tK, tma_v, tV, mO, mLSE, mWork, mCount, scale * LOG2E, scale, tiled_qk,
+        self.kernel(mQ, tma_k, tK, tma_v, tV, mO, mLSE, mWork, mCount, mDbg, scale * LOG2E, scale, tiled_qk,
                     tiled_pv, s_layout, tx_bytes).launch(
             grid=(ntiles, G, B), block=(self.threads, 1, 1), smem=smem, stream=stream, min_blocks_per_mp=1)
 
@@ -104,7 +107,7 @@ class SparseFwdSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
                mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mCount: cute.Tensor,
-               scale_log2: Float32, scale: Float32, tiled_qk: cute.TiledMma, tiled_pv: cute.TiledMma,
+               mDbg: cute.Tensor, scale_log2: Float32, scale: Float32, tiled_qk: cute.TiledMma, tiled_pv: cute.TiledMma,
                s_layout: cute.ComposedLayout, tx_bytes: cutlass.Constexpr):
         bf16 = cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
@@ -197,6 +200,10 @@ class SparseFwdSm90:
                 blk = e >> QBITS
                 # ---- S = Q K^T
                 pipe_k.consumer_wait(state)
+                if cutlass.const_expr(self.debug_tile >= 0):
+                    if tile == self.debug_tile and g == 0 and b == 0 and i == 1 and wg == 0:
+                        for d in cutlass.range_constexpr(D):
+                            mDbg[0, tid, d] = sK[tid, d, state.index].to(Float32)
                 warpgroup.fence()
                 tiled_qk.set(warpgroup.Field.ACCUMULATE, False)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
@@ -204,6 +211,10 @@ class SparseFwdSm90:
                     tiled_qk.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                if cutlass.const_expr(self.debug_tile >= 0):
+                    if tile == self.debug_tile and g == 0 and b == 0 and i == 1 and wg == 0:
+                        for j in cutlass.range_constexpr(cute.size(acc_S)):
+                            mDbg[1, cS[j][0], cS[j][1]] = acc_S[j]
                 pipe_k.consumer_release(state)
                 # ---- mask, online softmax
                 causal = blk >= own
@@ -266,7 +277,8 @@ class SparseFwdSm90:
                         mLSE[b, h, t] = lse
 
 
-def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: int = 2, stages: int = 2) -> dict:
+def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: int = 2, stages: int = 2,
+                  debug_tile: int = -1) -> dict:
     """Compile the kernel for `arch` against fake tensors (dynamic shapes and strides, as the host
     wrapper's from_dlpack tensors have): no GPU or torch needed.  With dump_dir, the PTX and cubin
     go there.  Returns {"seconds", "files": {name: bytes}}."""
@@ -282,12 +294,12 @@ def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: 
         return make_fake_tensor(dtype, shape, stride, assumed_align=16 if dtype is cutlass.BFloat16 else 4)
 
     bf16 = cutlass.BFloat16
-    args = [fake(bf16, 4) for _ in range(4)] + [fake(Float32, 3), fake(Int32, 4), fake(Int32, 3)]
+    args = [fake(bf16, 4) for _ in range(4)] + [fake(Float32, 3), fake(Int32, 4), fake(Int32, 3), fake(Float32, 3)]
     opts = f"--gpu-arch {arch}"
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     t0 = time.time()
-    cute.compile(SparseFwdSm90(consumers, stages), *args, Float32(0.0884), cuda.CUstream(0), options=opts)
+    cute.compile(SparseFwdSm90(consumers, stages, debug_tile), *args, Float32(0.0884), cuda.CUstream(0), options=opts)
     files = sorted(glob.glob(os.path.join(dump_dir, "*"))) if dump_dir else []
     return {"seconds": time.time() - t0, "files": {os.path.basename(f): os.path.getsize(f) for f in files}}
