@@ -5,6 +5,8 @@
 What each peer is fed (M3 shape: 64 query heads, 4 KV heads, d 128, block 128, top-16):
 - `msakit`: `msakit.ops.sparse_attention` (exact MSA: each query row attends to its own blocks,
   causal inside its own block).
+- `msakit_sm90`: msakit's CuTe DSL union-tile forward (`msakit.ops.sparse_attention.sm90`, not
+  dispatched by the public op yet), its work list built in each call (exact MSA).
 - `query_outer`: the per-token query-outer Triton design Hopper engines run today
   (`tools/bench/query_outer.py`, rebuilt from its description; exact MSA).
 - `cudnn_union`: cuDNN frontend's block-sparse attention (`cudnn.block_sparse_attention`,
@@ -126,7 +128,7 @@ def make_fa4_mask(per_group: int, block_size: int):
     return msa_mask
 
 
-PEERS = ("msakit", "query_outer", "cudnn_union", "fa4_union", "fa4_exact")
+PEERS = ("msakit", "msakit_sm90", "query_outer", "cudnn_union", "fa4_union", "fa4_exact")
 
 
 def run(T_list, kinds, *, peers=PEERS, check_rows: int = 64,
@@ -173,6 +175,10 @@ def _peer(peer, q, k, v, bi, idx, cnt, *, scale, per_group, bs):
         from msakit.ops.sparse_attention import sparse_attention
 
         return (lambda: (sparse_attention(q, k, v, bi, block_size=bs, softmax_scale=scale),)), True
+    if peer == "msakit_sm90":  # the CuTe DSL union-tile forward (work list built in each call)
+        from msakit.ops.sparse_attention import sm90
+
+        return (lambda: sm90.sparse_attention_fwd_sm90(q, k, v, bi, bs, scale)), True
     if peer == "query_outer":
         from tools.bench.query_outer import query_outer_attention
 

@@ -84,13 +84,17 @@ class SparseFwdSm90:
         kv_order = [1, 3, 2, 0]
         mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=kv_order))
         mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=kv_order))
+        # S = Q K^T reads Q from shared memory (SS): with Q as a register operand (RS) ptxas gave
+        # its registers to P after the first work entry (S of every later entry came out ~0)
         tiled_qk = sm90.make_trivial_tiled_mma(bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                               (1, 1, 1), (WG_ROWS, BLOCK), a_source=warpgroup.OperandSource.RMEM)
+                                               (1, 1, 1), (WG_ROWS, BLOCK))
         tiled_pv = sm90.make_trivial_tiled_mma(bf16, bf16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                (1, 1, 1), (WG_ROWS, D), a_source=warpgroup.OperandSource.RMEM)
         # K and V buffers: (BLOCK, D, stages), D contiguous, 128-byte swizzle (the B operand of S = Q K^T)
         s_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_ROWS, BLOCK, D), bf16, self.stages)
         one = cute.slice_(s_layout, (None, None, 0))
+        # Q: one (WG_ROWS, D) K-major tile per consumer warpgroup (the A operand of S = Q K^T)
+        q_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_ROWS, BLOCK, D), bf16, self.consumers)
         tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKt, one, (BLOCK, D))
         tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mVt, one, (BLOCK, D))
         tx_bytes = BLOCK * D * 2
@@ -98,9 +102,9 @@ class SparseFwdSm90:
         G = mK.shape[2]
         ntiles = (T + self.queries - 1) // self.queries
         buf_bytes = cute.cosize(s_layout) * 2
-        smem = 2 * buf_bytes + 2048  # K, V rings + mbarriers (4 * stages) + alignment
+        smem = 2 * buf_bytes + cute.cosize(q_layout) * 2 + 2048  # K, V rings, Q tiles, mbarriers, alignment
         self.kernel(mQ, tma_k, tK, tma_v, tV, mO, mLSE, mWork, mCount, mDbg, scale * LOG2E, scale, tiled_qk,
-                    tiled_pv, s_layout, tx_bytes).launch(
+                    tiled_pv, s_layout, q_layout, tx_bytes).launch(
             grid=(ntiles, G, B), block=(self.threads, 1, 1), smem=smem, stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -108,7 +112,7 @@ class SparseFwdSm90:
     def kernel(self, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
                mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mCount: cute.Tensor,
                mDbg: cute.Tensor, scale_log2: Float32, scale: Float32, tiled_qk: cute.TiledMma, tiled_pv: cute.TiledMma,
-               s_layout: cute.ComposedLayout, tx_bytes: cutlass.Constexpr):
+               s_layout: cute.ComposedLayout, q_layout: cute.ComposedLayout, tx_bytes: cutlass.Constexpr):
         bf16 = cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
         tile, g, b = cute.arch.block_idx()
@@ -120,6 +124,7 @@ class SparseFwdSm90:
         alloc = cutlass.utils.SmemAllocator()
         sK = alloc.allocate_tensor(bf16, s_layout.outer, byte_alignment=1024, swizzle=s_layout.inner)
         sV = alloc.allocate_tensor(bf16, s_layout.outer, byte_alignment=1024, swizzle=s_layout.inner)
+        sQ = alloc.allocate_tensor(bf16, q_layout.outer, byte_alignment=1024, swizzle=q_layout.inner)
         bars = alloc.allocate_array(cutlass.Int64, 4 * self.stages, byte_alignment=8)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumers * 4)  # one arrive per warp
@@ -163,7 +168,7 @@ class SparseFwdSm90:
 
             thr_qk = tiled_qk.get_slice(tid)
             thr_pv = tiled_pv.get_slice(tid)
-            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_shape_A((WG_ROWS, D)))
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, D / 16, consumers)
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
             sVt = cute.composition(sV, cute.make_ordered_layout((D, BLOCK, self.stages), order=(1, 0, 2)))
             tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
@@ -173,15 +178,16 @@ class SparseFwdSm90:
             tOrP_acc = cute.make_tensor(tOrP.iterator, acc_S.layout)  # P in the accumulator's element order
             cS = thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, BLOCK)))
             cO = thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, D)))
-            cQ = thr_qk.partition_A(cute.make_identity_tensor((WG_ROWS, D)))
             if cutlass.const_expr(DEBUG_LAYOUTS):
-                print('acc_S', acc_S.layout, 'tOrP', tOrP.layout, 'tSrQ', tSrQ.layout, 'acc_O', acc_O.layout, 'cS', cS.layout, 'cQ', cQ.layout)
+                print('acc_S', acc_S.layout, 'tOrP', tOrP.layout, 'tSrQ', tSrQ.layout, 'acc_O', acc_O.layout, 'cS', cS.layout)
 
-            # Q rows -> registers (queries past T read row T - 1; their rows are never stored)
-            for i in cutlass.range_constexpr(cute.size(tSrQ)):
-                r, c = cQ[i]
+            # Q rows -> this warpgroup's shared tile (row r = query-in-warpgroup * HPG + head; thread
+            # tid copies column tid of every row; queries past T read row T - 1, never stored)
+            for r in cutlass.range_constexpr(WG_ROWS):
                 t = cutlass.min(t0 + r // HPG, T - 1)
-                tSrQ[i] = mQ[b, t, h0 + r % HPG, c]
+                sQ[r, tid, wg] = mQ[b, t, h0 + r % HPG, tid]
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> wgmma's reads
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
 
             # accumulator fragments: ((2 cols, 2 rows, N/8), 1, 1); a thread holds 2 rows
             nv = cute.size(acc_S) // 4
@@ -207,7 +213,7 @@ class SparseFwdSm90:
                 warpgroup.fence()
                 tiled_qk.set(warpgroup.Field.ACCUMULATE, False)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    cute.gemm(tiled_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, state.index], acc_S)
+                    cute.gemm(tiled_qk, acc_S, tSrQ[None, None, k, wg], tSrK[None, None, k, state.index], acc_S)
                     tiled_qk.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
