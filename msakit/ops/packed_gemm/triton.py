@@ -17,6 +17,13 @@ owns one BLOCK_M-row tile of one group, BLOCK_N output columns and one K split:
 * split-K (decode: a few groups of a few rows cannot fill the GPU otherwise) writes float32
   partials [S, M, N] that the launcher sums; without split the tile is stored in x's dtype.
 
+`_nvfp4_grouped_kernel`: the NVFP4 path for bfloat16 / float16 x (same tile slots and split-K).
+The codes are read as int32 words; per 16-weight block a table of the 8 dequantized magnitudes
+(low bytes and high bytes, two registers each) is built once, and each word of 8 codes becomes
+4 pairs of 16-bit weights by `prmt` lookups (15 instructions per 8 weights, inline PTX with a
+pure-`tl` twin under the interpreter).  Bit-exact with `reference.py`; docs/packed.md has the
+argument and the instruction counts.  The weight tile is the MMA's first operand (y.T = w @ x.T).
+
 `_scaled_kernel` (MXFP8 activations and weights, FP8 tensor cores): per 32-wide K chunk one
 E4M3 x E4M3 dot, its float32 partial times 2^(ex + ew) (the two E8M0 scales) added to the
 accumulator.
