@@ -26,6 +26,20 @@ at the decode shapes and reports the best (docs/packed.md).
     python benchmarks/packed_gemm.py [--quick] [--sweep]
 
 Writes benchmarks/results/packed_gemm_<gpu>.json (and $OUT/) and prints the tables.
+
+    python benchmarks/packed_gemm.py --decode-ab        (about 3 minutes)
+
+only the NVFP4 decode A/B at M3's expert shapes (hidden 6144, expert width 3072; w13 [3072, 6144]
+and w2 [6144, 3072]; A = 4 or 32 active experts of 128, t = 1, 2, 4, 8, 16 tokens each):
+  new       packed_grouped_mm (the byte-table kernel the library runs)
+  old       the per-element decode (`_grouped_kernel` with bfloat16 x, the library's kernel
+            before it; kept here for the comparison)
+  bf16      msakit.nn.moe.grouped_mm on BF16 weights
+  dequant   unpack_weight of the active experts, then grouped_mm
+Each captured call reads a different set of active experts (the sets rotate over the 128), so that
+the packed weights are not served from L2 (4 experts are 42 MB packed, L2 is 50 MB).  Also a small
+tile sweep of the new kernel at two shapes, and a bit-exact check of its dequantized weights (x =
+identity).  Writes packed_gemm_decode_ab_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -39,7 +53,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import add_run_args, bench_ms, env_info, gpu_tag, print_rows, rel_err, save_json  # noqa: E402
-from msakit.ops.packed_gemm import mxfp8_scaled_mm, packed_grouped_mm, packed_linear  # noqa: E402
+from msakit.nn.moe import grouped_mm  # noqa: E402
+from msakit.ops.packed_gemm import dequantize_reference, mxfp8_scaled_mm, packed_grouped_mm, packed_linear  # noqa: E402
+from msakit.ops.packed_gemm import triton as packed_triton  # noqa: E402
 from msakit.ops.packed_gemm.triton import GemmConfig, grouped_mm_triton  # noqa: E402
 from msakit.quant.formats import mxfp8_quantize  # noqa: E402
 from msakit.quant.linear import PackedLinear, mxfp8_fake_quantize_to, pack_weight, unpack_weight  # noqa: E402
@@ -180,14 +196,191 @@ def sweep_configs() -> list[GemmConfig]:
             for sp in (1, 2, 4, 8) for w in (4, 8) for st in (3,)]
 
 
+# ---------------------------------------------------------------------------------------------
+# --decode-ab: the NVFP4 decode kernels side by side (one GPU call, about 3 minutes)
+# ---------------------------------------------------------------------------------------------
+
+AB_ACTIVE = (4, 32)  # one token's top-4; 8 tokens' top-4 on distinct experts
+AB_TOKENS = (1, 2, 4, 8, 16)
+AB_ROTATIONS = 8
+
+
+def old_grouped_mm(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                   global_scale: torch.Tensor) -> torch.Tensor:
+    """The previous NVFP4 path for bfloat16 x: `_grouped_kernel` (per-element integer decode, two
+    dots over even / odd columns) with its previous tile heuristic (16 x 64 x 256, 4 warps)."""
+    import triton
+
+    M, K = x.shape
+    G, N = weight.shape[0], weight.shape[1]
+    bm, bn, bk = 16, 64, 256
+    active = max(1, min(G, M))
+    programs = active * triton.cdiv(N, bn)
+    split, steps = 1, triton.cdiv(K, bk)
+    while programs * split * 2 <= 2 * packed_triton._sm_count(x.device) and split * 4 <= steps:
+        split *= 2
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per_split)
+    y = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    slots = triton.cdiv(M, bm) + min(G, M)
+    packed_triton._grouped_kernel[(slots, triton.cdiv(N, bn), split)](
+        x, weight, scales.view(torch.uint8), global_scale, counts, y, G, M, N, K, k_per_split,
+        x.stride(0), weight.stride(0), weight.stride(1), scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
+        FMT=0, DT=1, OUT_F32=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_G=max(2, 1 << (G - 1).bit_length()),
+        num_warps=4, num_stages=3)
+    return (y.sum(0) if split > 1 else y[0]).to(x.dtype)
+
+
+def ab_sweep_configs() -> list[GemmConfig]:
+    return [GemmConfig(16, bn, bk, sp, 4, st, swap=sw) for bn, bk, sw in ((128, 256, True), (64, 256, True),
+                                                                       (128, 128, True), (64, 256, False))
+            for sp in (1, 2) for st in (3,)]
+
+
+def exact_check(p: dict) -> bool:
+    """The new kernel's dequantized weights of two experts equal the reference's, bit for bit
+    (x = identity: one nonzero product per output)."""
+    K, dev = p["weight"].shape[2] * 2, p["weight"].device
+    sub = {k: v[:2] for k, v in p.items()}
+    x = torch.eye(K, device=dev, dtype=torch.bfloat16).repeat(2, 1)
+    counts = torch.full((2,), K, device=dev, dtype=torch.int64)
+    y = packed_grouped_mm(x, counts, sub["weight"], sub["weight_scale"], sub["weight_scale_2"], fmt="nvfp4")
+    want = dequantize_reference(sub["weight"], sub["weight_scale"], sub["weight_scale_2"], "nvfp4", torch.bfloat16)
+    return bool(torch.equal(y, want.transpose(1, 2).reshape(2 * K, -1)))
+
+
+def ab_rows(ws: dict, N: int, K: int, A: int, t: int, sweep: bool) -> dict:
+    p = ws["packed"]
+    dev = p["weight"].device
+    wt = ws["bf16"].transpose(1, 2)  # [E, K, N]
+    args = (p["weight"], p["weight_scale"], p["weight_scale_2"])
+    sets = []
+    for r in range(AB_ROTATIONS):
+        first = (r * A) % E if A * AB_ROTATIONS <= E else (r * (E // AB_ROTATIONS)) % (E - A + 1)
+        idx = torch.arange(first, first + A, device=dev)
+        counts = torch.zeros(E, dtype=torch.int64, device=dev)
+        counts[idx] = t
+        x = torch.randn(A * t, K, device=dev, dtype=torch.bfloat16)
+        sets.append((x, counts, idx, counts.cumsum(0).to(torch.int32)))
+    rot = [0]
+
+    def cycle(f):
+        def g():
+            s = sets[rot[0] % AB_ROTATIONS]
+            rot[0] += 1
+            return f(*s)
+        return g
+
+    def new(x, counts, idx, offs):
+        return packed_grouped_mm(x, counts, *args, fmt="nvfp4")
+
+    def old(x, counts, idx, offs):
+        return old_grouped_mm(x, counts, *args)
+
+    def bf16(x, counts, idx, offs):
+        return grouped_mm(x, wt, counts, offs)
+
+    def dequant(x, counts, idx, offs):
+        sub = {k: v[idx] for k, v in p.items()}
+        w = unpack_weight(sub, "nvfp4", torch.bfloat16)
+        c = counts[idx]
+        return grouped_mm(x, w.transpose(1, 2), c, c.cumsum(0).to(torch.int32))
+
+    x0, c0, i0, o0 = sets[0]
+    ref = dequant(x0, c0, i0, o0).float()
+    row = {"N": N, "K": K, "active": A, "tokens_per_expert": t, "rows": A * t,
+           "rel_err_new": rel_err(new(x0, c0, i0, o0), ref), "rel_err_old": rel_err(old(x0, c0, i0, o0), ref),
+           "rel_err_bf16_vs_dequant": rel_err(bf16(x0, c0, i0, o0), ref)}
+    packed_bytes = A * (N * K // 2 + N * K // 16 + 4)
+    row["packed_MB"] = packed_bytes / 1e6
+    for name, fn in (("new", new), ("old", old), ("bf16", bf16), ("dequant", dequant)):
+        rot[0] = 0
+        row[name + "_ms"] = graph_ms(cycle(fn), calls=2 * AB_ROTATIONS)
+        row[name + "_GBs_packed"] = packed_bytes / row[name + "_ms"] / 1e6
+    row["bf16_GBs"] = A * N * K * 2 / row["bf16_ms"] / 1e6
+    row["new_vs_bf16"] = row["bf16_ms"] / row["new_ms"]
+    row["new_vs_old"] = row["old_ms"] / row["new_ms"]
+    row["new_vs_dequant"] = row["dequant_ms"] / row["new_ms"]
+    row["new_config"] = packed_triton.grouped_config(A * t, N, K, E, "nvfp4", dev).__dict__
+    if sweep:
+        res = []
+        for cfg in ab_sweep_configs():
+            def run(x, counts, idx, offs, cfg=cfg):
+                return grouped_mm_triton(x, counts, *args, "nvfp4", cfg)
+            try:
+                err = rel_err(run(x0, c0, i0, o0), ref)
+                rot[0] = 0
+                ms = graph_ms(cycle(run), calls=2 * AB_ROTATIONS)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
+                res.append({"config": cfg.__dict__, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            res.append({"config": cfg.__dict__, "ms": ms, "GBs_packed": packed_bytes / ms / 1e6, "rel_err": err})
+        row["sweep"] = res
+    return row
+
+
+def decode_ab(args) -> int:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    info = env_info()
+    ceiling = copy_gbs()
+    name = info["gpu"] or ""
+    sheet = next((v for k, v in DATASHEET_TBS.items() if k in name), None)
+    print(f"{name}: device-to-device copy {ceiling:.0f} GB/s (datasheet {sheet} TB/s)")
+    rows, exact = [], {}
+    for proj, (N, K) in EXPERT_PROJ.items():
+        ws = experts(N, K, E)
+        exact[proj] = exact_check(ws["packed"])
+        print(f"  {proj}: new kernel's weights bit-exact: {exact[proj]}")
+        for A in AB_ACTIVE:
+            for t in AB_TOKENS:
+                r = ab_rows(ws, N, K, A, t, sweep=proj == "w13" and A == 32 and t in (1, 16))
+                r["proj"] = proj
+                r["new_frac_copy"] = r["new_GBs_packed"] / ceiling
+                r["old_frac_copy"] = r["old_GBs_packed"] / ceiling
+                r["new_frac_datasheet"] = r["new_GBs_packed"] / (sheet * 1e3) if sheet else None
+                rows.append(r)
+                print(f"  {proj} A={A} t={t}: new {r['new_ms']:.4f} ms ({r['new_GBs_packed']:.0f} GB/s, "
+                      f"{r['new_frac_copy']:.0%} of copy), old {r['old_ms']:.4f}, bf16 {r['bf16_ms']:.4f}, dequant "
+                      f"{r['dequant_ms']:.4f}; err new {r['rel_err_new']:.1e} old {r['rel_err_old']:.1e}")
+                for sw in r.get("sweep", []):
+                    print(f"    sweep {sw['config']}: " + (f"{sw['ms']:.4f} ms {sw['GBs_packed']:.0f} GB/s"
+                                                           if "ms" in sw else sw["error"]))
+        del ws
+        torch.cuda.empty_cache()
+    print_rows(rows, [("proj", "proj", ""), ("A", "active", "d"), ("t", "tokens_per_expert", "d"),
+                      ("new ms", "new_ms", ".4f"), ("GB/s", "new_GBs_packed", ".0f"), ("%copy", "new_frac_copy", ".2f"),
+                      ("old ms", "old_ms", ".4f"), ("bf16 ms", "bf16_ms", ".4f"), ("deq ms", "dequant_ms", ".4f"),
+                      ("x bf16", "new_vs_bf16", ".2f"), ("x old", "new_vs_old", ".2f"),
+                      ("x deq", "new_vs_dequant", ".2f")])
+    bars = {
+        "new_min_frac_copy": min(r["new_frac_copy"] for r in rows),
+        "new_min_frac_datasheet": min((r["new_frac_datasheet"] or 0) for r in rows),
+        "new_min_speedup_vs_bf16": min(r["new_vs_bf16"] for r in rows),
+        "new_min_speedup_vs_old": min(r["new_vs_old"] for r in rows),
+        "max_rel_err_new": max(r["rel_err_new"] for r in rows),
+        "weights_bit_exact": all(exact.values()),
+    }
+    print("\nbars (issue: >= 0.70 of HBM, >= 2.5x bf16):", {k: (round(v, 3) if isinstance(v, float) else v)
+                                                          for k, v in bars.items()})
+    payload = {"env": info, "copy_GBs": ceiling, "datasheet_TBs": sheet, "rows": rows, "bars": bars,
+               "exact": exact, "rotations": AB_ROTATIONS}
+    path = save_json(f"packed_gemm_decode_ab_{gpu_tag(info)}{args.tag}.json", payload, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_args(ap, "fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs at the decode shapes")
+    ap.add_argument("--decode-ab", action="store_true",
+                    help="only the NVFP4 decode A/B: new vs old kernel vs bf16 vs dequantize (~3 min)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("packed_gemm.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.decode_ab:
+        return decode_ab(args)
     torch.backends.cuda.matmul.allow_tf32 = False
     info = env_info()
     ceiling = copy_gbs()

@@ -80,16 +80,19 @@ def test_grouped_kernel(fmt, case, dt):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("cfg", [(16, 16, 32, 3), (32, 32, 64, 2), (64, 16, 128, 1)])
+@pytest.mark.parametrize("cfg", [(16, 16, 32, 3, True), (32, 32, 64, 2, False), (64, 16, 128, 1, True),
+                                 (16, 32, 64, 2, False)])
 def test_grouped_kernel_tiles_and_split_k(fmt, cfg):
-    """Explicit tiles: several row tiles per group, split-K partials summed by the launcher."""
+    """Explicit tiles: several row tiles per group, split-K partials summed by the launcher; the
+    NVFP4 kernel with the weight as the MMA's first or second operand."""
     from msakit.ops.packed_gemm.triton import GemmConfig, grouped_mm_triton
 
     counts, N, K = [40, 0, 7, 33], 48, 192
     _, (w, s, gs) = packed(len(counts), N, K, fmt, seed=3)
     x = torch.randn(sum(counts), K, generator=torch.Generator().manual_seed(2)).to(DEV, torch.bfloat16)
-    bm, bn, bk, split = cfg
-    y = grouped_mm_triton(x, torch.tensor(counts, device=DEV), w, s, gs, fmt, GemmConfig(bm, bn, bk, split, 4, 2))
+    bm, bn, bk, split, swap = cfg
+    y = grouped_mm_triton(x, torch.tensor(counts, device=DEV), w, s, gs, fmt,
+                          GemmConfig(bm, bn, bk, split, 4, 2, swap=swap))
     check(y, expected(x, counts, dequantize_reference(w, s, gs, fmt, torch.bfloat16)), x, K)
 
 
@@ -209,3 +212,28 @@ def test_packed_experts_kernel_path_and_moe_decode():
         pe.backend = "reference"
         ref = pe(xs, counts)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_nvfp4_kernel_weights_bit_exact(dt):
+    """x = identity: y = the dequantized weight exactly (one nonzero product per output).  Every
+    code, block scales over the whole E4M3 range (zero, subnormal, negative), global scales in the
+    kernel's power-of-two fast range and outside it (tiny, huge, negative)."""
+    K, N = 64, 24
+    # float16: no overflow to inf (the identity's zeros would turn it into NaN); 2^-30 makes subnormals
+    gss = [1.7e-3, -0.37, 2.0**-118, 2.0**112 if dt == torch.bfloat16 else 2.0**-30, 5.0]
+    G = len(gss)
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (G, N, K // 2), generator=g, dtype=torch.uint8)
+    sb = torch.randint(0, 256, (G, N, K // 16), generator=g, dtype=torch.uint8)
+    sb[(sb & 0x7F) == 0x7F] = 0x38  # no NaN scales
+    sb[0, 0, :2] = torch.tensor([0x00, 0x01], dtype=torch.uint8)  # zero and the smallest subnormal
+    scales = sb.view(torch.float8_e4m3fn)
+    gs = torch.tensor(gss, dtype=torch.float32)
+    x = torch.eye(K, dtype=dt).repeat(G, 1)
+    counts = torch.full((G,), K, dtype=torch.int64)
+    y = packed_grouped_mm(x.to(DEV), counts.to(DEV), codes.to(DEV), scales.to(DEV), gs.to(DEV), fmt="nvfp4",
+                          backend="triton")
+    want = dequantize_reference(codes, scales, gs, "nvfp4", dt).transpose(1, 2).reshape(G * K, N)
+    assert torch.equal(y.cpu(), want)

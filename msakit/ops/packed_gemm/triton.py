@@ -17,6 +17,13 @@ owns one BLOCK_M-row tile of one group, BLOCK_N output columns and one K split:
 * split-K (decode: a few groups of a few rows cannot fill the GPU otherwise) writes float32
   partials [S, M, N] that the launcher sums; without split the tile is stored in x's dtype.
 
+`_nvfp4_grouped_kernel`: the NVFP4 path for bfloat16 / float16 x (same tile slots and split-K).
+The codes are read as int32 words; per 16-weight block a table of the 8 dequantized magnitudes
+(low bytes and high bytes, two registers each) is built once, and each word of 8 codes becomes
+4 pairs of 16-bit weights by `prmt` lookups (15 instructions per 8 weights, inline PTX with a
+pure-`tl` twin under the interpreter).  Bit-exact with `reference.py`; docs/packed.md has the
+argument and the instruction counts.  The weight tile is the MMA's first operand (y.T = w @ x.T).
+
 `_scaled_kernel` (MXFP8 activations and weights, FP8 tensor cores): per 32-wide K chunk one
 E4M3 x E4M3 dot, its float32 partial times 2^(ex + ew) (the two E8M0 scales) added to the
 accumulator.
@@ -55,6 +62,7 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = True  # NVFP4 16-bit kernel: the weight tile as the MMA's first operand (y.T = w @ x.T)
 
 
 @triton.jit
@@ -135,6 +143,256 @@ def _dot(a, b, acc, DT: tl.constexpr):
         return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     else:
         return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _prmt(a, b, sel):
+    """PTX ``prmt.b32 d, a, b, sel`` (default mode) on int32 tensors: byte k of d is byte
+    (sel >> 4k) & 7 of the 8-byte value b:a, or, when bit 3 of that selector nibble is set,
+    that byte's top bit replicated.  Only the low 16 bits of sel count.  Interpreted: integer
+    emulation (the twin of the inline-asm decode below)."""
+    s_all = sel + (a & 0) + (b & 0)
+    r = s_all & 0
+    for k in tl.static_range(4):
+        s = (s_all >> (4 * k)) & 15
+        i = s & 7
+        byte = (tl.where(i < 4, a, b) >> ((i & 3) * 8)) & 0xFF
+        byte = tl.where(s >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
+        r = r | (byte << (8 * k))
+    return r
+
+
+@triton.jit
+def _bits16(v, DT: tl.constexpr):
+    """float32 -> the 16-bit pattern (int32 0..65535) of RN_DT(v) (DT 1 bfloat16, 2 float16)."""
+    if DT == 1:
+        u = v.to(tl.int32, bitcast=True)
+        keep = (u & 0x7FFFFFFF) > 0x7F800000  # NaN: keep it quiet, no rounding carry
+        r = tl.where(keep, u | 0x00400000, u + 0x7FFF + ((u >> 16) & 1))
+        return (r >> 16) & 0xFFFF
+    else:
+        return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _nvfp4_tables(bs, gs, DT: tl.constexpr, FAST: tl.constexpr):
+    """Per-block dequantization tables of NVFP4: bs float32 block scales (any shape), gs the
+    group's float32 global scale -> (tl0, tl1, th0, th1) int32: the low bytes (tl) and high
+    bytes (th) of the 16-bit values v_i = RN_DT(RN_f32((e2m1_i * bs) * gs)) of the 8 E2M1
+    magnitudes e2m1_i = 0, .5, 1, 1.5, 2, 3, 4, 6 (i = 0..3 in tl0 / th0, 4..7 in tl1 / th1,
+    byte i & 3).  These are the weights `reference.py` defines, sign aside.
+
+    FAST (bfloat16 only; used when 2^-110 <= |gs| <= 2^110): A = RN(bs * gs) and
+    B = RN(RN(1.5 bs) * gs) are multiplied in float32, then 0 * A and A / 2 (float32), and 2A,
+    2B, 4A, 4B in bfloat16 (one packed FMA each).  This is exact: in that range every
+    bs * gs * e2m1 is a normal float32 (|bs| in {0} u [2^-9, 448]), and scaling a normal value
+    by a power of two commutes with rounding to float32 and to bfloat16."""
+    if FAST:
+        e2 = bs * gs
+        e0 = e2 * 0.0  # = RN((0 * bs) * gs): +-0, or NaN for a NaN scale
+        e1 = e2 * 0.5  # = RN((0.5 * bs) * gs) in the fast range
+        e3 = (bs * 1.5) * gs
+        if _INTERP:
+            t = _tables_from_bits(_bits16(e0, DT), _bits16(e1, DT), _bits16(e2, DT), _bits16(e3, DT),
+                                  _bits16(e2 * 2.0, DT), _bits16(e3 * 2.0, DT), _bits16(e2 * 4.0, DT),
+                                  _bits16(e3 * 4.0, DT))
+        else:
+            t = tl.inline_asm_elementwise(
+                "{ .reg .b32 ab, x, ab2, ab4, c2, c4, nz;"
+                " cvt.rn.bf16x2.f32 ab, $7, $6; cvt.rn.bf16x2.f32 x, $4, $5;"
+                " mov.b32 c2, 0x40004000; mov.b32 c4, 0x40804080; mov.b32 nz, 0x80008000;"
+                " fma.rn.bf16x2 ab2, ab, c2, nz; fma.rn.bf16x2 ab4, ab, c4, nz;"
+                " prmt.b32 $0, x, ab, 0x6402; prmt.b32 $2, x, ab, 0x7513;"
+                " prmt.b32 $1, ab2, ab4, 0x6420; prmt.b32 $3, ab2, ab4, 0x7531; }",
+                "=r,=r,=r,=r,f,f,f,f", [e0, e1, e2, e3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True, pack=1)
+    else:
+        e0 = bs * 0.0 * gs
+        e1 = (bs * 0.5) * gs
+        e2 = bs * gs
+        e3 = (bs * 1.5) * gs
+        e4 = (bs * 2.0) * gs
+        e5 = (bs * 3.0) * gs
+        e6 = (bs * 4.0) * gs
+        e7 = (bs * 6.0) * gs
+        if _INTERP:
+            t = _tables_from_bits(_bits16(e0, DT), _bits16(e1, DT), _bits16(e2, DT), _bits16(e3, DT),
+                                  _bits16(e4, DT), _bits16(e5, DT), _bits16(e6, DT), _bits16(e7, DT))
+        elif DT == 1:
+            t = tl.inline_asm_elementwise(
+                "{ .reg .b32 p01, p23, p45, p67;"
+                " cvt.rn.bf16x2.f32 p01, $5, $4; cvt.rn.bf16x2.f32 p23, $7, $6;"
+                " cvt.rn.bf16x2.f32 p45, $9, $8; cvt.rn.bf16x2.f32 p67, $11, $10;"
+                " prmt.b32 $0, p01, p23, 0x6420; prmt.b32 $2, p01, p23, 0x7531;"
+                " prmt.b32 $1, p45, p67, 0x6420; prmt.b32 $3, p45, p67, 0x7531; }",
+                "=r,=r,=r,=r,f,f,f,f,f,f,f,f", [e0, e1, e2, e3, e4, e5, e6, e7],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            t = tl.inline_asm_elementwise(
+                "{ .reg .b32 p01, p23, p45, p67;"
+                " cvt.rn.f16x2.f32 p01, $5, $4; cvt.rn.f16x2.f32 p23, $7, $6;"
+                " cvt.rn.f16x2.f32 p45, $9, $8; cvt.rn.f16x2.f32 p67, $11, $10;"
+                " prmt.b32 $0, p01, p23, 0x6420; prmt.b32 $2, p01, p23, 0x7531;"
+                " prmt.b32 $1, p45, p67, 0x6420; prmt.b32 $3, p45, p67, 0x7531; }",
+                "=r,=r,=r,=r,f,f,f,f,f,f,f,f", [e0, e1, e2, e3, e4, e5, e6, e7],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return t
+
+
+@triton.jit
+def _tables_from_bits(e0, e1, e2, e3, e4, e5, e6, e7):
+    """Eight 16-bit patterns (int32 0..65535) -> (tl0, tl1, th0, th1) byte tables (interpreted)."""
+    tl0 = (e0 & 0xFF) | ((e1 & 0xFF) << 8) | ((e2 & 0xFF) << 16) | ((e3 & 0xFF) << 24)
+    tl1 = (e4 & 0xFF) | ((e5 & 0xFF) << 8) | ((e6 & 0xFF) << 16) | ((e7 & 0xFF) << 24)
+    th0 = (e0 >> 8) | ((e1 >> 8) << 8) | ((e2 >> 8) << 16) | ((e3 >> 8) << 24)
+    th1 = (e4 >> 8) | ((e5 >> 8) << 8) | ((e6 >> 8) << 16) | ((e7 >> 8) << 24)
+    return tl0, tl1, th0, th1
+
+
+@triton.jit
+def _nvfp4_decode_word(w, tl0, tl1, th0, th1):
+    """Eight NVFP4 codes (int32 word, code j in bits 4j..4j+3) and their block's tables ->
+    (p0, p1, p2, p3) int32: p_i holds the 16-bit weights of codes 2i (low half) and 2i + 1.
+
+    Four `prmt` look up the low and high bytes of the magnitudes (selector: the codes without
+    their sign bits; a prmt reads 4 selector nibbles, so codes 0-3 and 4-7 take one each), two
+    `prmt` gather each code's sign bit (bit 3 of its nibble, found as the top bit of a byte of w
+    or of w << 4) to the top bit of its high byte, two `lop3` flip the sign there, and four
+    `prmt` interleave low and high bytes into pairs: 15 instructions per 8 weights.
+    Interpreted: the same steps on the integer emulation of prmt."""
+    if _INTERP:
+        m = w & 0x77777777
+        mh = (m >> 16) & 0xFFFF
+        l0 = _prmt(tl0, tl1, m)
+        h0 = _prmt(th0, th1, m)
+        l1 = _prmt(tl0, tl1, mh)
+        h1 = _prmt(th0, th1, mh)
+        w4 = w << 4
+        h0 = h0 ^ (_prmt(w, w4, 0x1504) & -0x7F7F7F80)  # 0x80808080
+        h1 = h1 ^ (_prmt(w, w4, 0x3726) & -0x7F7F7F80)
+        p = (_prmt(l0, h0, 0x5140), _prmt(l0, h0, 0x7362), _prmt(l1, h1, 0x5140), _prmt(l1, h1, 0x7362))
+    else:
+        p = tl.inline_asm_elementwise(
+            "{ .reg .b32 m, mh, l0, h0, l1, h1, w4, s0, s1;"
+            " and.b32 m, $4, 0x77777777; shr.u32 mh, m, 16;"
+            " prmt.b32 l0, $5, $6, m; prmt.b32 h0, $7, $8, m;"
+            " prmt.b32 l1, $5, $6, mh; prmt.b32 h1, $7, $8, mh;"
+            " shl.b32 w4, $4, 4; prmt.b32 s0, $4, w4, 0x1504; prmt.b32 s1, $4, w4, 0x3726;"
+            " lop3.b32 h0, h0, s0, 0x80808080, 0x78; lop3.b32 h1, h1, s1, 0x80808080, 0x78;"
+            " prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362;"
+            " prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362; }",
+            "=r,=r,=r,=r,r,r,r,r,r", [w, tl0, tl1, th0, th1], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+    return p
+
+
+@triton.jit
+def _halves(p, DT: tl.constexpr):
+    """int32 pairs -> (low, high) 16-bit halves as DT values (float32 when interpreted)."""
+    lo = p & 0xFFFF
+    hi = (p >> 16) & 0xFFFF
+    if _INTERP:
+        if DT == 1:
+            a, b = (lo << 16).to(tl.float32, bitcast=True), (hi << 16).to(tl.float32, bitcast=True)
+        else:
+            a = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            b = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    elif DT == 1:
+        a, b = lo.to(tl.int16).to(tl.bfloat16, bitcast=True), hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        a, b = lo.to(tl.int16).to(tl.float16, bitcast=True), hi.to(tl.int16).to(tl.float16, bitcast=True)
+    return a, b
+
+
+@triton.jit
+def _nvfp4_tile(words, sc, gs, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+    """Code words [BN, 2 * NB] (int32, 8 codes each) and block scales [BN, NB] (float32) -> the
+    dequantized weight tile [BN, 16 * NB] in DT (column 8j + e: code e of word j)."""
+    t0, t1, t2, t3 = _nvfp4_tables(sc, gs, DT, FAST)
+    w3 = tl.reshape(words, [BN, NB, 2])
+    p0, p1, p2, p3 = _nvfp4_decode_word(w3, t0[:, :, None], t1[:, :, None], t2[:, :, None], t3[:, :, None])
+    v0, v1 = _halves(p0, DT)
+    v2, v3 = _halves(p1, DT)
+    v4, v5 = _halves(p2, DT)
+    v6, v7 = _halves(p3, DT)
+    # element e = 4 * b2 + 2 * b1 + b0: join over b2, then b1, then b0 (the last dim fastest)
+    u00, u01, u10, u11 = tl.join(v0, v4), tl.join(v1, v5), tl.join(v2, v6), tl.join(v3, v7)
+    s0, s1 = tl.join(u00, u10), tl.join(u01, u11)
+    return tl.reshape(tl.join(s0, s1), [BN, 16 * NB])
+
+
+@triton.jit
+def _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT: tl.constexpr, FAST: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 SWAP: tl.constexpr):
+    """acc += x[:, k_lo:k_hi] @ dequant(w[:, k_lo:k_hi]).T (NVFP4 through the byte tables).
+    j_lo = k_lo / 8 (the first code word), b_lo = k_lo / 16 (the first scale), passed from
+    arguments so that the compiler sees their alignment and vectorizes the loads (16 bytes).
+    EVEN_K: every K step is whole (no K masks); EVEN_N: every weight row exists (no N masks)."""
+    for it in range(tl.cdiv(k_hi - k_lo, BLOCK_K)):
+        j = j_lo + it * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # int32 code words: columns 8j .. 8j + 7
+        b = b_lo + it * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        k = k_lo + it * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K and EVEN_N:
+            words = tl.load(wrow + j[None, :])
+            bs = _e4m3(tl.load(srow + b[None, :]))
+        else:
+            words = tl.load(wrow + j[None, :], mask=n_ok[:, None] & (j < k_hi // 8)[None, :], other=0)
+            bs = _e4m3(tl.load(srow + b[None, :], mask=n_ok[:, None] & (b < k_hi // 16)[None, :], other=0))
+        if EVEN_K:
+            x = tl.load(xrow + k[None, :], mask=r_ok[:, None], other=0.0)
+        else:
+            x = tl.load(xrow + k[None, :], mask=r_ok[:, None] & (k < k_hi)[None, :], other=0.0)
+        w = _nvfp4_tile(words, bs, gs, BLOCK_N, BLOCK_K // 16, DT, FAST)
+        if SWAP:
+            acc = _dot(w, _operand(x, DT), acc, DT)  # acc [BLOCK_N, BLOCK_M] = w @ x.T
+        else:
+            acc = _dot(_operand(x, DT), w, acc, DT)
+    return acc
+
+
+@triton.jit
+def _nvfp4_grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split, kw_per_split, kb_per_split,
+                          sxm, swg, swn, ssg, ssn, sys, sym,
+                          DT: tl.constexpr, OUT_F32: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                          SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """NVFP4 weight-only grouped GEMM for 16-bit x (bfloat16 / float16): W is the code bytes
+    viewed as int32 words (swg, swn in words), dequantized through per-block byte tables."""
+    g, m0, m_end, ok = _group_tile(COUNTS, G, tl.program_id(0), BLOCK_M, BLOCK_G)
+    if not ok:
+        return
+    pid_k = tl.program_id(2)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    r_ok = rows < m_end
+    xrow = X + rows.to(tl.int64)[:, None] * sxm
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    wrow = W + g.to(tl.int64) * swg + n.to(tl.int64)[:, None] * swn
+    srow = S + g.to(tl.int64) * ssg + n.to(tl.int64)[:, None] * ssn
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    j_lo = pid_k * kw_per_split
+    b_lo = pid_k * kb_per_split
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    gs = tl.load(GS + g)
+    ga = tl.abs(gs)
+    if DT == 1 and (ga >= 7.703719777548943e-34) and (ga <= 1.298074214633707e33):  # 2^-110 .. 2^110
+        acc = _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT, True, BLOCK_N, BLOCK_K,
+                           EVEN_K, EVEN_N, SWAP)
+    else:
+        acc = _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT, False, BLOCK_N, BLOCK_K,
+                           EVEN_K, EVEN_N, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
+    out = Y + pid_k.to(tl.int64) * sys + rows.to(tl.int64)[:, None] * sym + n[None, :]
+    m = r_ok[:, None] & n_ok[None, :]
+    if OUT_F32:
+        tl.store(out, acc, mask=m)
+    else:
+        tl.store(out, acc.to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -249,6 +507,14 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
+def _words(weight: torch.Tensor) -> torch.Tensor:
+    """NVFP4 code bytes [G, N, K/2] (unit last stride) as int32 words [G, N, K/8] (a copy only
+    when the bytes are not 4-byte aligned)."""
+    if weight.storage_offset() % 4 or any(st % 4 for st in weight.stride()[:-1]) or weight.data_ptr() % 4:
+        weight = weight.contiguous().clone()
+    return weight.view(torch.int32)
+
+
 def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -265,22 +531,28 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[i]
 
 
-def grouped_config(M: int, N: int, K: int, G: int, fmt: str, device: torch.device) -> GemmConfig:
+def grouped_config(M: int, N: int, K: int, G: int, fmt: str, device: torch.device,
+                   dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
     """Tiles for `grouped_mm_triton`: BLOCK_M from the mean rows per group (16 at decode); at
-    decode sizes split-K so that about two programs per SM stream the weight."""
+    decode sizes split-K so that about two programs per SM stream the weight.  NVFP4 with 16-bit
+    x (the byte-table kernel): 128 x 256 weight tiles, the weight as the MMA's first operand
+    (the fewest instructions per weight of the compiled variants: docs/packed.md)."""
     active = max(1, min(G, M))
     rows = max(1, M // active)
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
-    bn = 64 if bm <= 32 else 128
-    bk = 256 if bm <= 32 else 64
+    if fmt == "nvfp4" and dtype != torch.float32:
+        bn, bk, warps, stages = 128, (256 if bm <= 32 else 128), 4, 3
+    else:
+        bn = 64 if bm <= 32 else 128
+        bk = 256 if bm <= 32 else 64
+        warps, stages = (4 if bm <= 32 else 8), (3 if bm <= 32 else 2)
     bk = min(bk, max(32, _pow2(K)))
     programs = (triton.cdiv(M, bm) + active if bm > 16 else active) * triton.cdiv(N, bn)
     split = 1
     steps = triton.cdiv(K, bk)
     while programs * split * 2 <= 2 * _sm_count(device) and split * 4 <= steps:
         split *= 2
-    warps = 4 if bm <= 32 else 8
-    return GemmConfig(bm, bn, bk, split, warps, 3 if bm <= 32 else 2)
+    return GemmConfig(bm, bn, bk, split, warps, stages)
 
 
 def grouped_mm_triton(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -291,7 +563,7 @@ def grouped_mm_triton(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tenso
     interp = interpret_mode()
     if M == 0:
         return x.new_empty(0, N)
-    cfg = config or grouped_config(M, N, K, G, fmt, x.device)
+    cfg = config or grouped_config(M, N, K, G, fmt, x.device, x.dtype)
     bk = cfg.block_k
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), bk) * bk
     split = triton.cdiv(K, k_per_split)
@@ -300,8 +572,22 @@ def grouped_mm_triton(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tenso
                     device=x.device)
     gs = global_scale if global_scale is not None else counts  # unused by MXFP8
     slots = triton.cdiv(M, cfg.block_m) + min(G, M)
+    grid = (slots, triton.cdiv(N, cfg.block_n), split)
+    if fmt == "nvfp4" and x.dtype != torch.float32:
+        wd = _words(weight)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _nvfp4_grouped_kernel[grid](
+                x, wd, _u8(scales), gs, counts, y, G, M, N, K, k_per_split, k_per_split // 8, k_per_split // 16,
+                x.stride(0), wd.stride(0), wd.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
+                y.stride(1), DT=_DT[x.dtype], OUT_F32=out_f32, EVEN_K=K % k_per_split == 0 and k_per_split % bk == 0,
+                EVEN_N=N % cfg.block_n == 0, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=bk, BLOCK_G=max(2, _pow2(G)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        if not out_f32:
+            return y[0]
+        return (y.sum(0) if split > 1 else y[0]).to(x.dtype)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _grouped_kernel[(slots, triton.cdiv(N, cfg.block_n), split)](
+        _grouped_kernel[grid](
             x, _u8(weight), _u8(scales), gs, counts, y, G, M, N, K, k_per_split,
             x.stride(0), weight.stride(0), weight.stride(1), scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
             FMT=_FMT[fmt], DT=_DT[x.dtype], OUT_F32=out_f32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,

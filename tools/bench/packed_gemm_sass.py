@@ -1,0 +1,99 @@
+"""Static SASS count of the packed grouped GEMM's K loop (no GPU: compiled for sm_90a offline).
+
+    python -m tools.bench.packed_gemm_sass [--kernel old|new|both] [--dump DIR]
+
+For each kernel and tile config: the innermost backward-branch loop that holds the MMA (HMMA /
+HGMMA), its instruction count by opcode, and the count per 32 weights (warp-instructions per
+32 weight elements = per-thread instructions per weight): loop instructions x warps x 32 /
+(BLOCK_N x BLOCK_K).  Run with TRITON_INTERPRET unset."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def loops(sass: str) -> list[list[str]]:
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    addr = {a: i for i, (a, _, _) in enumerate(ins)}
+    out = []
+    for i, (a, op, rest) in enumerate(ins):
+        m = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in addr:
+            body = [o for _, o, _ in ins[addr[int(m.group(1), 16)]: i + 1]]
+            if any(o.startswith(("HMMA", "HGMMA")) for o in body):
+                out.append(body)
+    return sorted(out, key=len)
+
+
+def count(fn, consts: dict, warps: int, stages: int, bn: int, bk: int, dump: str | None = None, tag: str = "",
+          w_type: str = "*u8") -> dict:
+    from tools.cuda_compile import compile_cuda, cuobjdump
+
+    args = {n: "i32" for n in fn.arg_names}
+    args.update(X="*bf16", W=w_type, S="*u8", GS="*fp32", COUNTS="*i64", Y="*fp32")
+    for n in ("K", "k_per_split", "kw_per_split", "kb_per_split", "sxm", "swg", "swn", "ssg", "ssn", "sys", "sym", "N"):
+        if n in args:
+            args[n] = 6144 * 16  # multiples of 16: the divisibility hint real shapes get
+    ck = compile_cuda(fn, args, consts, num_warps=warps, num_stages=stages)
+    res, sass = cuobjdump(ck)
+    if dump:
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        Path(dump, f"{tag}.sass").write_text(sass)
+        Path(dump, f"{tag}.ptx").write_text(ck.asm["ptx"])
+        Path(dump, f"{tag}.ttgir").write_text(ck.asm["ttgir"])
+    ls = loops(sass)
+    reg = re.search(r"REG:(\d+)", res)
+    row = {"tag": tag, "regs": int(reg.group(1)) if reg else -1, "shared": int(ck.metadata.shared),
+           "spills": sass.count("STL")}
+    if ls:
+        body = ls[0]
+        ops = collections.Counter(o.split(".")[0] for o in body)
+        row["loop_instrs"] = len(body)
+        row["per_32_weights"] = len(body) * warps * 32 / (bn * bk)
+        row["ops"] = dict(ops.most_common())
+    return row
+
+
+# (BLOCK_N, BLOCK_K, warps, swap); the library's default first
+NEW_CONFIGS = ((128, 256, 4, True), (64, 256, 4, True), (128, 128, 4, True), (128, 256, 4, False), (64, 256, 4, False))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernel", default="both", choices=("old", "new", "both"))
+    ap.add_argument("--dump", default=None)
+    ap.add_argument("--stages", type=int, default=3)
+    a = ap.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    import msakit.ops.packed_gemm.triton as T
+
+    rows = []
+    if a.kernel in ("old", "both"):
+        fn = getattr(T, "_grouped_kernel_old", None) or T._grouped_kernel
+        for bn, bk, w in ((64, 256, 4), (128, 256, 4), (64, 512, 4)):
+            c = {"FMT": 0, "DT": 1, "OUT_F32": True, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 128}
+            rows.append(count(fn, c, w, a.stages, bn, bk, a.dump, f"old_bn{bn}_bk{bk}_w{w}"))
+    if a.kernel in ("new", "both"):
+        for bn, bk, w, sw in NEW_CONFIGS:
+            c = {"DT": 1, "OUT_F32": True, "EVEN_K": True, "EVEN_N": True, "SWAP": sw, "BLOCK_M": 16,
+                 "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 128}
+            rows.append(count(T._nvfp4_grouped_kernel, c, w, a.stages, bn, bk, a.dump,
+                              f"new_bn{bn}_bk{bk}_w{w}_swap{int(sw)}", "*i32"))
+    for r in rows:
+        print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
