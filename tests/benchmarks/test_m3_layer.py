@@ -46,8 +46,9 @@ def test_decode_step_equals_the_contiguous_decode_of_its_cache(kind):
     step = ds.fn(nq)
     g = ds.dec.static_buffers(nq)
     assert g.positions.tolist() == [list(range(N, N + nq))] * B and g.seq_lens.tolist() == [N + nq] * B
+    got = step()  # under no_grad itself, as generate runs it (the MoE's decode paths need it)
+    assert not got.requires_grad
     with torch.no_grad():
-        got = step()
         want = model(g.ids, cache=kv, logits_to_keep=1).logits[:, -1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rows(pools.k)[:, N:N + nq], kv.k[0][:, N:N + nq], rtol=0, atol=0)
