@@ -60,11 +60,11 @@ total; a change's share is log(its factor) / log(total).
     python benchmarks/m3_layer.py [--quick] [--B 1 8 32] [--N 32768 131072 1048576] [--T 32768 131072]
     python benchmarks/m3_layer.py --tiny        # CPU smoke run of the whole pipeline (tiny shapes)
 
-Run time on one H100 (an H100 check of this code, Triton's cache cold): --quick 100 s, the full
-run 90-100 s without B = 32 at 1M, whose cache (~75 GiB of bf16 K / V / index keys for the one
-layer, plus the layer's weights) fits an H200 only; a step whose cache does not fit the free
-memory is skipped (NaN, said in `timing`).  Writes benchmarks/results/m3_layer_<gpu>.json and a
-PNG (and $OUT/), prints the table.
+Run time on one H100 (a check of this code): --quick 100 s on a fresh machine, then the full
+run 90 s (Triton's cache warm; add ~30 s cold) without B = 32 at 1M, whose cache (~75 GiB of
+bf16 K / V / index keys for the one layer, plus the layer's weights) fits an H200 only; a step
+whose cache does not fit the free memory is skipped (NaN, said in `timing`).  Writes
+benchmarks/results/m3_layer_<gpu>.json and a PNG (and $OUT/), prints the table.
 """
 
 from __future__ import annotations
