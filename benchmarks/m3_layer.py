@@ -15,28 +15,41 @@ Layer kinds (msakit's `M3DecoderLayer` from the M3 config fixture, hidden 6144, 
 The quantized kinds are `msakit.quant.convert(..., recipe="m3.1-flash")` of the BF16 ones (router
 FP32; embeddings and head BF16 in both models).  Per kind:
 
-* decode: the layer forward over B rows of one new token each, without a cache (projections,
-  norms, RoPE, routing, experts, everything but the attention over the context; its attention
-  over the one token is counted too), as a CUDA-graph replay; plus the attention over a context
-  of N tokens measured alone on random paged pools (`tools.bench.decode`: `msa_decode` for MSA
-  layers, SDPA's fastest backend for dense ones), with an L2 flush before each call;
-* prefill: the layer forward over one sequence of T tokens (MSA prefill kernels / dense
-  attention), eager, median of the calls.
+* decode: msakit's own decode step (what `generate` captures and replays as a CUDA graph: the
+  one-layer model's forward over a `PagedDecoder`'s static buffers, `PagedDecoder.static_step`:
+  embedding, norms, projections, RoPE, the cache write, the attention, routing, experts, the final
+  norm and the 256-row head) for B rows of nq new tokens (nq = 1; nq = 8 for the verify forward
+  of DSpark) over a paged cache holding a context of N tokens per row.  The cache is plain
+  storage: its pools are filled with random K / V / index keys directly and each row's pages
+  are a random permutation (no prefill runs).  MSA layers attend through `msa_decode` over the N
+  tokens.  The dense-attention kind (m3_dense) runs its step at a context of one page (msakit's
+  dense paged path gathers every page, a reference path; a serving engine runs flash decoding),
+  plus SDPA's flash backend over N tokens measured alone.  Each step is captured with
+  `msakit.graphs.capture_graph` (a warm-up under torch's sync check, any host sync an error) and
+  timed as CUDA-graph replays (`tools.bench.decode.graph_ms`) with a 256 MiB L2 flush before each
+  step, subtracted (a layer sees its weights and cache cold after the other 59 layers ran).  A
+  step that cannot be captured is timed eagerly, says why, and is marked "eager" in the JSON's
+  `timing` (its time is then host overhead, not GPU work);
+* prefill: the layer forward over one sequence of T tokens without a cache (MSA prefill kernels
+  / dense attention; validation and plans read the host there, as prefill does), eager, median
+  of the calls.
 
 Composition (60 layers): M3 = 3 x m3_dense + 57 x m3_msa_moe; "M3, MSA everywhere" = 3 x
 bf16_msa_dense + 57 x m3_msa_moe; M3.1-Flash = 3 x flash_msa_dense + 57 x flash_msa_moe; each
-plus the BF16 LM head (200,064 x 6144) over the rows that need logits (the embedding lookup and
-the final norm are left out: a gather and one norm).  Decode tokens/s = B / (sum of the
-layers' decode + attention times + head).  Prefill seconds = sum of the layers' prefill times.
+plus the BF16 LM head (200,064 x 6144) over the rows that need logits (timed on its own; the
+one-layer models' 256-row head, embedding lookup and final norm are inside each layer's step, a
+few microseconds).  Decode tokens/s = B / (sum of the layers' decode steps at context N, the
+dense kind's step plus its attention over N, + head).  Prefill seconds = sum of the layers'
+prefill times.
 
 DSpark: "M3.1-Flash + DSpark" applies the accepted length (tokens per verify step and row, bonus
 included, block of 7) that msakit's trained drafter reached in benchmarks/results/
 spec_NVIDIA_H200_run17.json (the `acceptance` rows, DSpark, budget off, T = 0 and T = 1; a small
 target and drafter trained on the stdlib corpus, docs/spec.md) -- not M3.1-Flash's own drafter.
 A round = the drafter (the DSpark config fixture: 5 BF16 layers of dense attention over a sliding
-window of 4096 + dense MLP 12288, timed as m3_dense layers over 8 positions per row plus dense
-attention over 4096) + the target's verify forward over 8 positions per row (the Flash layers
-over 8 tokens per row, `msa_decode` with 8 queries) + the head over 8 + 7 positions.  Tokens/s
+window of 4096 + dense MLP 12288, timed as m3_dense steps of 8 tokens per row plus SDPA over
+4096) + the target's verify forward over 8 positions per row (the Flash layers' decode steps of
+8 tokens per row at context N, `msa_decode` with 8 queries) + the head over 8 + 7 positions.  Tokens/s
 = B * accepted length / round time.  M3 has no drafter here: msakit does not build M3's
 multi-token-prediction modules.
 
@@ -47,7 +60,11 @@ total; a change's share is log(its factor) / log(total).
     python benchmarks/m3_layer.py [--quick] [--B 1 8 32] [--N 32768 131072 1048576] [--T 32768 131072]
     python benchmarks/m3_layer.py --tiny        # CPU smoke run of the whole pipeline (tiny shapes)
 
-Writes benchmarks/results/m3_layer_<gpu>.json and a PNG (and $OUT/), prints the table.
+Run time on one H100 (a check of this code): --quick 100 s on a fresh machine, then the full
+run 90 s (Triton's cache warm; add ~30 s cold) without B = 32 at 1M, whose cache (~75 GiB of
+bf16 K / V / index keys for the one layer, plus the layer's weights) fits an H200 only; a step
+whose cache does not fit the free memory is skipped (NaN, said in `timing`).  Writes
+benchmarks/results/m3_layer_<gpu>.json and a PNG (and $OUT/), prints the table.
 """
 
 from __future__ import annotations
@@ -94,7 +111,8 @@ MODELS = {  # name: ((kind, count, attention over the context) per layer group)
 # ----------------------------------------------------------------------------------- timing
 def timed_ms(fn, device: torch.device, *, graph: bool = True) -> tuple[float, bool]:
     """(ms per call, graphed): a CUDA-graph replay (tools.bench.decode.graph_ms) when the capture
-    works, else the median of eager calls (host wall time on CPU)."""
+    works, else the median of eager calls (host wall time on CPU).  For single ops (the head, SDPA)
+    and the eager prefill; decode steps go through `step_ms`."""
     if device.type == "cuda":
         from benchmarks.common import bench_ms
         from tools.bench.decode import graph_ms
@@ -114,6 +132,38 @@ def timed_ms(fn, device: torch.device, *, graph: bool = True) -> tuple[float, bo
     return statistics.median(ts), False
 
 
+def step_ms(fn, device: torch.device, unsupported: str | None = None) -> tuple[float, str]:
+    """(ms per decode step, how it was timed) of fn (a decode step over static buffers).
+
+    CUDA: one eager call first (Triton compilation and autotuning read the host), then
+    `msakit.graphs.capture_graph` (the warm-up under torch's sync check, then the capture: what
+    `generate` does) and, when that works, `tools.bench.decode.graph_ms(fn, flush=True)`: CUDA-graph
+    replays, 10 steps per graph, a 256 MiB L2 flush before each step, subtracted -> "graphed".  A
+    step that cannot be captured (`unsupported`: the decoder's own pre-check, or the capture's
+    error) is timed eagerly with `bench_ms` after printing why -> "eager: <why>".  CPU: the median
+    of 3 eager calls -> "eager (CPU)"."""
+    if device.type != "cuda":
+        return timed_ms(fn, device, graph=False)[0], "eager (CPU)"
+    from benchmarks.common import bench_ms
+    from msakit.graphs import GraphCaptureError, capture_graph
+    from tools.bench.decode import graph_ms
+
+    why = unsupported
+    if why is None:
+        fn()
+        torch.cuda.synchronize()
+        try:
+            graph = capture_graph(fn, device)[1]
+            del graph
+        except GraphCaptureError as e:
+            why = e.describe("the decode step")
+        torch.cuda.synchronize()
+    if why is None:
+        return graph_ms(fn, flush=True), "graphed"
+    print(f"    NOT GRAPHED, timed eagerly (host overhead included): {why}", flush=True)
+    return bench_ms(fn, max_s=10.0), f"eager: {why}"
+
+
 # ----------------------------------------------------------------------------------- the layers
 def layer_config(sparse: bool, moe: bool, tiny: bool) -> M3Config:
     """One layer of M3's shapes (the fixture), or a tiny stand-in (--tiny), vocabulary 256 (the
@@ -128,13 +178,13 @@ def layer_config(sparse: bool, moe: bool, tiny: bool) -> M3Config:
                                sparse_attention_freq=[int(sparse)])
 
 
-def build_layer(kind: str, device: torch.device, tiny: bool):
-    """The one-layer model of `kind` in BF16 on `device` (random weights), converted to the
+def build_layer(kind: str, device: torch.device, tiny: bool, dtype: torch.dtype = torch.bfloat16):
+    """The one-layer model of `kind` in `dtype` on `device` (random weights), converted to the
     M3.1-Flash formats for the quantized kinds; returns (model, its decoder layer)."""
     sparse, moe, quant = KINDS[kind]
     cfg = layer_config(sparse, moe, tiny)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = M3ForCausalLM(cfg, mode="sparse")
@@ -147,6 +197,7 @@ def build_layer(kind: str, device: torch.device, tiny: bool):
 
 
 def layer_fn(layer, B: int, T: int, device: torch.device, hidden: int):
+    """The layer's forward over B rows of T tokens without a cache (the prefill path)."""
     h = torch.randn(B, T, hidden, device=device, dtype=torch.bfloat16)
 
     def run():
@@ -156,41 +207,102 @@ def layer_fn(layer, B: int, T: int, device: torch.device, hidden: int):
     return run
 
 
-# ----------------------------------------------------------------------------------- attention over the context
-def attention_ms(B: int, N: int, kind: str, nq: int, device: torch.device) -> float:
-    """The attention of one layer over a context of N tokens for B rows of nq new tokens:
-    `msa_decode` on random paged pools (kind "msa") or SDPA's fastest backend (kind "dense");
-    cold (L2 flushed) on CUDA."""
-    if device.type == "cuda":
-        from tools.bench import decode as bench
-
-        if kind == "msa":
-            return bench.bench_case(B, N, nq=nq, detail=False)["msa_ms"]
-        if nq == 1:
-            return bench.dense_ms(B, N)["dense_ms"]
-        return dense_multi_ms(B, N, nq, device)
-    # CPU smoke run: the reference paths at M3's head shapes
-    from msakit.ops.decode import msa_decode
-    from tools.bench.decode import DI, G, HQ, D, make_pools
-
-    if kind == "msa":
-        pools, pt, sl = make_pools(B, N, device="cpu")
-        q = torch.randn(B, nq, HQ, D, dtype=torch.bfloat16)
-        qi = torch.randn(B, nq, G, DI, dtype=torch.bfloat16)
-        return timed_ms(lambda: msa_decode(q, qi, pools, pt, sl), device)[0]
-    return dense_multi_ms(B, N, nq, device)
+# ----------------------------------------------------------------------------------- decode steps
+def cache_bytes(model, B: int, context: int, nq: int) -> int:
+    """Bytes of the paged pools a `DecodeSteps` of (B, context, nq) allocates (bf16 K / V, and
+    the index keys of an MSA layer)."""
+    attn = model.model.layers[0].self_attn
+    c = attn.cfg
+    ps = c.selection.block_size
+    pages = B * -(-(context + nq) // ps)
+    per_page = 2 * c.num_kv_heads * ps * c.head_dim + (ps * c.index_dim if attn.index_branch else 0)
+    return pages * per_page * 2
 
 
-def dense_multi_ms(B: int, N: int, nq: int, device: torch.device) -> float:
-    """Dense attention of nq new tokens per row (the 16 query heads of a group times nq as rows)
-    over that group's K / V of N tokens (bounded by the flash backend's own masking: the nq
-    tokens see every key, an upper bound of the causal cost)."""
-    from tools.bench.decode import G, HQ, D
+class DecodeSteps:
+    """msakit's decode step of a one-layer model for B rows at a context of N tokens: a
+    `PagedDecoder` (the state `generate` decodes with) whose pools are filled directly with random
+    K / V / index keys (the cache is plain storage), each row's pages a random permutation of the
+    pool.  `fn(nq)` is the step that `generate` captures (`PagedDecoder.static_step`) over static
+    buffers staged for nq new tokens per row at positions N .. N + nq - 1 (`stage`)."""
+
+    def __init__(self, model, B: int, N: int, max_nq: int, *, seed: int = 0) -> None:
+        from msakit.generate import PagedDecoder
+
+        device = model.device
+        self.model, self.B, self.N = model, B, N
+        self.dec = PagedDecoder(model, B, N + max_nq, kv_dtype=model.dtype)
+        cache = self.dec.cache
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        for pool in (cache.k, cache.v, cache.k_idx):
+            if pool is not None:
+                pool.normal_(generator=self.gen)
+        W = self.dec.graph_width
+        perm = torch.randperm(cache.num_pages, device=device, generator=self.gen)[: B * W]
+        self.table = perm.to(torch.int32).view(B, W)
+        self.unsupported = self.dec.graph_unsupported_reason() if device.type == "cuda" else None
+
+    def stage(self, nq: int):
+        """The decoder's static buffers for nq new tokens per row, filled: random token ids,
+        positions N .. N + nq - 1, their slots in each row's pages, the page table, lengths N + nq."""
+        g = self.dec.static_buffers(nq)
+        ps = self.dec.cache.page_size
+        dev = g.ids.device
+        pos = self.N + torch.arange(nq, device=dev)
+        g.ids.copy_(torch.randint(self.model.config.vocab_size, (self.B, nq), device=dev, generator=self.gen))
+        g.positions.copy_(pos.expand(self.B, nq))
+        g.slots.copy_((self.table[:, pos // ps].long() * ps + pos % ps).reshape(-1))
+        g.page_table.copy_(self.table)
+        g.seq_lens.fill_(self.N + nq)
+        return g
+
+    def fn(self, nq: int):
+        """The step for nq new tokens per row, under no_grad as `generate` runs it (with autograd
+        on, the MoE takes its training paths: no pairs kernel, no packed expert kernel)."""
+        g = self.stage(nq)
+
+        def step():
+            with torch.no_grad():
+                return self.dec.static_step(g)
+
+        return step
+
+
+def step_contexts(kind: str, Ns, page: int) -> list[int]:
+    """The contexts a kind's decode step is timed at: every N for MSA layers, one page for the
+    dense-attention kind (its attention over N is SDPA's, timed alone)."""
+    return list(Ns) if KINDS[kind][0] else [page]
+
+
+def step_nqs(kind: str) -> tuple[int, ...]:
+    """New tokens per row a kind's step is timed with: 8 too for the Flash kinds (DSpark's verify)
+    and the dense kind (the drafter's layers)."""
+    return (1, VERIFY) if kind == "m3_dense" or KINDS[kind][2] else (1,)
+
+
+# ----------------------------------------------------------------------------------- attention alone
+def dense_attention_ms(B: int, N: int, nq: int, device: torch.device) -> float:
+    """Dense decode attention of nq new tokens per row over N keys through SDPA's flash backend (the
+    16 query heads of a group times nq as query rows over that group's K / V, B * G as the batch:
+    the nq tokens see every key, an upper bound of the causal cost); cold (L2 flushed, subtracted)
+    CUDA-graph replays on CUDA.  SDPA's default dispatch picks cuDNN here, ~20x slower at 1M
+    (tools.bench.decode.dense_ms), so the flash backend is named."""
+    from tools.bench.decode import HQ, D, G
 
     q = torch.randn(B * G, 1, (HQ // G) * nq, D, device=device, dtype=torch.bfloat16)
     k = torch.randn(B * G, 1, N, D, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    return timed_ms(lambda: F.scaled_dot_product_attention(q, k, v), device)[0]
+    if device.type != "cuda":
+        return timed_ms(lambda: F.scaled_dot_product_attention(q, k, v), device)[0]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tools.bench.decode import graph_ms
+
+    def fn():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return graph_ms(fn, flush=True)
 
 
 def head_ms(rows: int, device: torch.device, vocab: int, hidden: int) -> float:
@@ -214,7 +326,15 @@ def dspark_acceptance(path: Path = SPEC_JSON) -> dict:
 
 
 # ----------------------------------------------------------------------------------- composition
-def compose(layer_ms: dict, attn: dict, heads: dict, Bs, Ns, accept: dict, drafter: dict) -> list[dict]:
+def layer_decode_ms(steps: dict, dense_attn: dict, kind: str, akind: str, B: int, N: int, nq: int, page: int) -> float:
+    """One layer's decode time at context N: its step at N (MSA), or its step at one page plus
+    SDPA over N (dense attention)."""
+    if akind == "msa":
+        return steps[(kind, B, N, nq)]
+    return steps[(kind, B, page, nq)] + dense_attn[(B, N, nq)]
+
+
+def compose(steps: dict, dense_attn: dict, heads: dict, Bs, Ns, accept: dict, drafter: dict, page: int) -> list[dict]:
     """Decode tokens/s per model, batch and context from the measured parts (see the module doc)."""
     rows = []
     for B in Bs:
@@ -223,11 +343,11 @@ def compose(layer_ms: dict, attn: dict, heads: dict, Bs, Ns, accept: dict, draft
             for model, groups in MODELS.items():
                 ms = heads[(B, 1)]
                 for kind, count, akind in groups:
-                    ms += count * (layer_ms[(kind, B, 1)] + attn[(akind, B, N, 1)])
+                    ms += count * layer_decode_ms(steps, dense_attn, kind, akind, B, N, 1, page)
                 per[model] = {"ms_per_step": ms, "tok_s": B / ms * 1e3}
             verify = heads[(B, VERIFY)]
             for kind, count, akind in MODELS["M3.1-Flash"]:
-                verify += count * (layer_ms[(kind, B, VERIFY)] + attn[("msa", B, N, VERIFY)])
+                verify += count * layer_decode_ms(steps, dense_attn, kind, akind, B, N, VERIFY, page)
             round_ms = verify + drafter[B]
             for temp, acc in sorted(accept.items()):
                 per[f"M3.1-Flash + DSpark (T={temp:g})"] = {"ms_per_round": round_ms, "accepted_length": acc,
@@ -284,20 +404,52 @@ def plot(decode_rows: list[dict], prefill: dict, path: Path, title: str) -> None
 
 
 # ----------------------------------------------------------------------------------- main
-def measure_layers(device: torch.device, Bs, Ts, tiny: bool) -> tuple[dict, dict, dict]:
-    """{(kind, B, tokens per row): decode ms}, {(kind, T): prefill ms}, and notes (graphed or not)."""
-    layer_ms, prefill_ms, notes = {}, {}, {}
+def free_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def measure_layers(device: torch.device, Bs, Ns, Ts, tiny: bool) -> tuple[dict, dict, dict, int]:
+    """{(kind, B, context, new tokens per row): decode step ms}, {(kind, T): prefill ms}, notes
+    {"kind B=.. N=.. nq=..": "graphed" | "eager: why" | "skipped: why"}, and the page size (the
+    dense kind's step context)."""
+    steps, prefill_ms, notes, page = {}, {}, {}, 0
     for kind in KINDS:
         t0 = time.perf_counter()
         model, layer = build_layer(kind, device, tiny)
         hidden = model.config.hidden_size
+        page = model.model.layers[0].self_attn.cfg.selection.block_size  # one page = one selection block
         print(f"{kind}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+        nqs = step_nqs(kind)
         for B in Bs:
-            for nt in (1, VERIFY):
-                ms, graphed = timed_ms(layer_fn(layer, B, nt, device, hidden), device)
-                layer_ms[(kind, B, nt)] = ms
-                notes[f"{kind} B={B} tokens={nt}"] = "graphed" if graphed else "eager"
-                print(f"  decode B={B} x{nt}: {ms:.3f} ms", flush=True)
+            for N in step_contexts(kind, Ns, page):
+                need, free = cache_bytes(model, B, N, max(nqs)), free_bytes(device)
+                keys = [f"{kind} B={B} N={N} nq={nq}" for nq in nqs]
+                if free is not None and need + (2 << 30) > free:
+                    why = f"skipped: its cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+                    print(f"  decode B={B} N={N}: {why}", flush=True)
+                    for nq, key in zip(nqs, keys):
+                        steps[(kind, B, N, nq)], notes[key] = float("nan"), why
+                    continue
+                t1 = time.perf_counter()
+                ds = None
+                try:
+                    ds = DecodeSteps(model, B, N, max(nqs))
+                    for nq, key in zip(nqs, keys):
+                        steps[(kind, B, N, nq)], notes[key] = step_ms(ds.fn(nq), device, ds.unsupported)
+                        print(f"  decode B={B} N={N} x{nq}: {steps[(kind, B, N, nq)]:.3f} ms ({notes[key].split(':')[0]})",
+                              flush=True)
+                except torch.OutOfMemoryError as e:
+                    for nq, key in zip(nqs, keys):
+                        if (kind, B, N, nq) not in steps:
+                            steps[(kind, B, N, nq)], notes[key] = float("nan"), f"skipped: out of memory ({str(e)[:80]})"
+                    print(f"  decode B={B} N={N}: out of memory ({str(e)[:80]})", flush=True)
+                del ds
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                print(f"  ({time.perf_counter() - t1:.1f} s)", flush=True)
         for T in Ts:
             try:
                 ms, _ = timed_ms(layer_fn(layer, 1, T, device, hidden), device, graph=False)
@@ -309,7 +461,7 @@ def measure_layers(device: torch.device, Bs, Ts, tiny: bool) -> tuple[dict, dict
         del model, layer
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return layer_ms, prefill_ms, notes
+    return steps, prefill_ms, notes, page
 
 
 def main(argv=None) -> int:
@@ -335,27 +487,27 @@ def main(argv=None) -> int:
     accept = dspark_acceptance(spec_path)
     info = env_info()
     t_start = time.perf_counter()
-    layer_ms, prefill_ms, notes = measure_layers(device, Bs, Ts, args.tiny)
-    attn = {}
+    steps, prefill_ms, notes, page = measure_layers(device, Bs, Ns, Ts, args.tiny)
+    dcfg = json.loads(DRAFTER_FIXTURE.read_text())["text_config"]
+    d_layers, window = int(dcfg["num_hidden_layers"]), int(dcfg.get("sliding_window") or 4096)
+    window = min(window, max(Ns))
+    dense_attn = {}
     for B in Bs:
-        for N in Ns:
-            for akind, nq in (("msa", 1), ("dense", 1), ("msa", VERIFY)):
-                try:
-                    attn[(akind, B, N, nq)] = attention_ms(B, N, akind, nq, device)
-                except torch.OutOfMemoryError:
-                    attn[(akind, B, N, nq)] = float("nan")
-                    print(f"  attention {akind} B={B} N={N} nq={nq}: out of memory")
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                print(f"attention {akind} B={B} N={N} nq={nq}: {attn[(akind, B, N, nq)]:.3f} ms", flush=True)
+        for N, nq in [(N, 1) for N in Ns] + [(window, VERIFY)]:
+            try:
+                dense_attn[(B, N, nq)] = dense_attention_ms(B, N, nq, device)
+            except torch.OutOfMemoryError as e:
+                dense_attn[(B, N, nq)] = float("nan")
+                print(f"  dense attention B={B} N={N} nq={nq}: out of memory ({str(e)[:80]})")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"dense attention (SDPA flash) B={B} N={N} nq={nq}: {dense_attn[(B, N, nq)]:.3f} ms", flush=True)
     hidden = layer_config(False, False, args.tiny).hidden_size
     vocab = json.loads(FIXTURE.read_text())["text_config"]["vocab_size"] if not args.tiny else 4096
     heads = {(B, r): head_ms(B * r, device, vocab, hidden) for B in Bs for r in (1, VERIFY, DRAFT_BLOCK)}
-    dcfg = json.loads(DRAFTER_FIXTURE.read_text())["text_config"]
-    d_layers, window = int(dcfg["num_hidden_layers"]), int(dcfg.get("sliding_window") or 4096)
-    drafter = {B: d_layers * (layer_ms[("m3_dense", B, VERIFY)] + dense_multi_ms(B, min(window, max(Ns)), VERIFY, device))
+    drafter = {B: d_layers * (steps[("m3_dense", B, page, VERIFY)] + dense_attn[(B, window, VERIFY)])
                + heads[(B, DRAFT_BLOCK)] for B in Bs}
-    decode_rows = compose(layer_ms, attn, heads, Bs, Ns, accept, drafter)
+    decode_rows = compose(steps, dense_attn, heads, Bs, Ns, accept, drafter, page)
     prefill = {}
     for model, groups in MODELS.items():
         for T in Ts:
@@ -379,11 +531,20 @@ def main(argv=None) -> int:
     if ("M3", 131072) in prefill:
         bars["prefill_ratio_128k"] = prefill[("M3", 131072)] / prefill[("M3.1-Flash", 131072)]
     print("\nbars:", bars)
+    eager = {k: v for k, v in notes.items() if v != "graphed"}
+    if device.type == "cuda" and eager:
+        print(f"\nWARNING: {len(eager)} decode step(s) not timed as CUDA-graph replays (their rows above are not "
+              "GPU work):")
+        for k, v in eager.items():
+            print(f"  {k}: {v[:200]}")
     payload = {
         "env": info, "tiny": args.tiny, "quick": args.quick, "layers": LAYERS, "dense_layers": DENSE_LAYERS,
-        "layer_decode_ms": [{"kind": k, "B": B, "tokens_per_row": t, "ms": v} for (k, B, t), v in layer_ms.items()],
+        "page": page,
+        "layer_decode_ms": [{"kind": k, "B": B, "context": N, "tokens_per_row": t, "ms": v}
+                            for (k, B, N, t), v in steps.items()],
         "layer_prefill_ms": [{"kind": k, "T": T, "ms": v} for (k, T), v in prefill_ms.items()],
-        "attention_ms": [{"kind": k, "B": B, "N": N, "nq": q, "ms": v} for (k, B, N, q), v in attn.items()],
+        "dense_attention_ms": [{"B": B, "N": N, "nq": q, "ms": v, "what": "SDPA flash backend"}
+                               for (B, N, q), v in dense_attn.items()],
         "head_ms": [{"B": B, "rows_per_row": r, "ms": v} for (B, r), v in heads.items()],
         "drafter_round_ms": drafter, "timing": notes,
         "dspark_acceptance": {"source": str(spec_path.relative_to(ROOT)) if spec_path.is_relative_to(ROOT) else str(spec_path),
