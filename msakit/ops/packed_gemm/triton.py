@@ -540,8 +540,12 @@ def grouped_config(M: int, N: int, K: int, G: int, fmt: str, device: torch.devic
     active = max(1, min(G, M))
     rows = max(1, M // active)
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
-    if fmt == "nvfp4" and dtype != torch.float32:
-        bn, bk, warps, stages = 128, (256 if bm <= 32 else 128), 4, 2  # 3 stages: 233 KB of smem, over the H100 limit
+    byte_table = fmt == "nvfp4" and dtype != torch.float32
+    if byte_table:
+        # decode (<= 16 rows per group): 64 x 256 weight tiles, 3 stages (the fastest of the sweep in
+        # benchmarks/packed_gemm.py --decode-ab); larger: 128-wide tiles at 2 stages (3 stages of
+        # 128 x 256 need 233 KB of shared memory, over the H100's 227 KB)
+        bn, bk, warps, stages = (64, 256, 4, 3) if bm <= 16 else (128, 256 if bm <= 32 else 128, 4, 2)
     else:
         bn = 64 if bm <= 32 else 128
         bk = 256 if bm <= 32 else 64
@@ -550,7 +554,10 @@ def grouped_config(M: int, N: int, K: int, G: int, fmt: str, device: torch.devic
     programs = (triton.cdiv(M, bm) + active if bm > 16 else active) * triton.cdiv(N, bn)
     split = 1
     steps = triton.cdiv(K, bk)
-    while programs * split * 2 <= 2 * _sm_count(device) and split * 4 <= steps:
+    # split K until the weight is streamed by enough programs: the byte-table kernel holds one or two
+    # programs per SM, so a few experts need about four programs per SM to cover memory latency
+    target = (4 if byte_table else 1) * _sm_count(device)
+    while programs * split <= target and split * 4 <= steps:
         split *= 2
     return GemmConfig(bm, bn, bk, split, warps, stages)
 
