@@ -2,9 +2,10 @@
 
 Backends (see `msakit.ops.dispatch`): the Triton kernels, registered as the custom ops
 ``msakit::sparse_attention_fwd`` / ``msakit::sparse_attention_bwd`` with fake implementations and
-autograd, so they work under torch.compile: the forward runs the union-tile kernel of `union.py`
-where consecutive queries share their blocks (its plan's mean union ratio decides per call) and the
-KV-outer kernel of `triton.py` elsewhere; the backward is the KV-outer one.  Or the PyTorch reference of
+autograd, so they work under torch.compile: the forward runs a union-tile kernel where consecutive
+queries share their blocks (the plan's mean union ratio decides per call: `union.py`), on sm_90
+with the optional CuTe DSL the warp-specialized one of `sm90/`, else the Triton one of `union.py`,
+and the KV-outer kernel of `triton.py` elsewhere; the backward is the KV-outer one.  Or the PyTorch reference of
 `reference.py` (the meaning).
 """
 
@@ -46,8 +47,27 @@ def _fwd_impl(q, k, v, block_idx, cu_seqlens, block_size, scale):
     if union_supports(hpg, qt, D, block_size) and block_idx.shape[2] >= qt:
         plan = union_plan(block_idx, qt)
         if float(plan[3].mean()) <= UNION_MAX_RATIO:  # the mean union ratio (one host sync)
+            if _sm90_runs(q, k, block_size, qt):
+                from . import sm90
+
+                work = sm90.worklist_from_union_plan(plan, qt)
+                return sm90.sparse_attention_fwd_sm90(q, k, v, block_idx, block_size, scale, worklist=work)
             return sparse_attention_fwd_union(q, k, v, block_idx, block_size, scale, q_tile=qt, plan=plan)
     return kernels.sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
+
+
+def _sm90_runs(q, k, block_size, q_tile) -> bool:
+    """Whether the union tiles go to the CuTe DSL kernel of `sm90/` (sm_90, bf16, its shapes, the
+    DSL installed); warns once where only the DSL is missing."""
+    if not q.is_cuda:
+        return False
+    from . import sm90
+
+    why = sm90.unsupported_reason(q, k, block_size, None)
+    if why == "no nvidia-cutlass-dsl":
+        warn_once("sparse_attention_sm90", "sparse_attention: the warp-specialized sm_90 forward needs "
+                  "nvidia-cutlass-dsl (pip install 'msakit[hopper]'); running the Triton union kernel")
+    return why is None and q_tile == sm90.queries_per_tile()
 
 
 def _fwd_fake(q, k, v, block_idx, cu_seqlens, block_size, scale):

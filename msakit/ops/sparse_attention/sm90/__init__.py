@@ -6,15 +6,15 @@ Same meaning and layouts as `sparse_attention_reference` (q [B, T, Hq, D], k/v [
 block_idx int32 [B, G, T, topk] -> o [B, T, Hq, D], lse fp32 [B, Hq, T]).  The kernel takes bf16,
 Hq / G = 16, D = 128, block_size = 128 and no cu_seqlens (`unsupported_reason` says why not
 otherwise).  Per tile of 8 consecutive queries of one group the kernel loads the union of their
-blocks (`worklist.union_worklist`) and masks per row, so its MMA work is the union size per tile
-times 128 rows: about 1x the useful work on selections whose neighbouring queries agree, several
-times it on uniform random ones (docs/kernels.md).  The intended dispatch runs this kernel on sm_90 CUDA tensors it supports when the union is at most `MAX_UNION_RATIO`
-times the selected blocks.
+blocks (`worklist`) and masks per row, so its MMA work is the union size per tile times 128 rows:
+about 1x the useful work on selections whose neighbouring queries agree, several times it on
+uniform random ones (docs/kernels.md).
 
-Status: NOT dispatched.  On an H100 (docs/kernels.md) it compiled and ran at 417-490
-TFLOP/s on trained-like selections but its output is wrong (relative error 0.3-0.7 against the
-reference), so `sparse_attention` does not call it until the kernel passes its
-CUDA test (`tests/ops/test_sparse_sm90.py`, marked as an expected failure meanwhile).
+Dispatch (`sparse_attention`'s forward): where the union plan chooses the union-tile forward
+(mean union ratio <= `union.UNION_MAX_RATIO`), tensors this kernel takes on an sm_90 GPU with
+the DSL installed run it, with the work list converted from that plan
+(`worklist_from_union_plan`); without the DSL the Triton union kernel runs and a warning says
+so once.
 """
 
 from __future__ import annotations
@@ -24,13 +24,17 @@ import functools
 import torch
 
 from .consts import BLOCK, HEAD_DIM, HPG
-from .worklist import tile_count, union_worklist, union_worklist_reference
+from .worklist import tile_count, union_worklist, union_worklist_reference, worklist_from_union_plan
 
 __all__ = ["dsl_available", "unsupported_reason", "sparse_attention_fwd_sm90", "union_worklist",
-           "union_worklist_reference", "tile_count", "MAX_UNION_RATIO", "CONFIG"]
+           "union_worklist_reference", "worklist_from_union_plan", "tile_count", "queries_per_tile", "CONFIG"]
 
 CONFIG = {"consumers": 2, "stages": 2}  # consumer warpgroups (tiles of 4 * consumers queries), pipeline stages
-MAX_UNION_RATIO = 3.0  # dispatch: above this union / selected-blocks ratio the KV-outer Triton kernel runs
+
+
+def queries_per_tile() -> int:
+    """Queries per tile of the kernel (4 per consumer warpgroup: 64 MMA rows of 16 heads)."""
+    return 4 * CONFIG["consumers"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,7 +115,7 @@ def sparse_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not (o.is_contiguous() and lse.is_contiguous() and o.shape == q.shape and lse.shape == (B, Hq, T)):
         raise ValueError(f"out / lse_out must be contiguous {tuple(q.shape)} / {(B, Hq, T)}")
     if worklist is None:
-        worklist = union_worklist(block_idx, 4 * CONFIG["consumers"], tile_count(T, block_size))
+        worklist = union_worklist(block_idx, queries_per_tile(), tile_count(T, block_size))
     work, count = worklist
     if T:
         _launch(q, k, v, o, lse, work, count, float(scale))
@@ -121,6 +125,6 @@ def sparse_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def union_ratio(count: torch.Tensor, block_idx: torch.Tensor) -> float:
     """MMA work of the union tiles over the useful work: sum of union sizes x tile queries / valid
     slots (reads it back: a host sync)."""
-    queries = 4 * CONFIG["consumers"]
+    queries = queries_per_tile()
     valid = (block_idx >= 0).sum()
     return float(count.sum() * queries) / max(1.0, float(valid))
