@@ -554,10 +554,7 @@ def grouped_config(M: int, N: int, K: int, G: int, fmt: str, device: torch.devic
     programs = (triton.cdiv(M, bm) + active if bm > 16 else active) * triton.cdiv(N, bn)
     split = 1
     steps = triton.cdiv(K, bk)
-    # split K until the weight is streamed by enough programs: the byte-table kernel holds one or two
-    # programs per SM, so a few experts need about four programs per SM to cover memory latency
-    target = (4 if byte_table else 1) * _sm_count(device)
-    while programs * split <= target and split * 4 <= steps:
+    while programs * split <= _sm_count(device) and split * 4 <= steps:
         split *= 2
     return GemmConfig(bm, bn, bk, split, warps, stages)
 
