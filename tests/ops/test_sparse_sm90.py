@@ -224,6 +224,53 @@ def test_dispatch_runs_sm90_only_where_it_can_and_warns_once_without_the_dsl(mon
     assert not sa._sm90_runs(fake_q, None, 128, 8)
 
 
+def _partly_shared_selection(T, bs, K, G):
+    """Each query: its own block, blocks 0-4 (the tile shares them) and two blocks of its own
+    (6 + 2 qi, 7 + 2 qi for query qi of its 8-query tile), where causal: union ratio ~2.0."""
+    bi = torch.full((1, G, T, K), -1, dtype=torch.int32)
+    for t in range(T):
+        own, qi = t // bs, t % 8
+        sel = sorted({own, *[b for b in (0, 1, 2, 3, 4, 6 + 2 * qi, 7 + 2 * qi) if b <= own]})[:K]
+        bi[0, :, t, :len(sel)] = torch.tensor(sel, dtype=torch.int32)
+    return bi
+
+
+def test_forward_sends_union_tiles_to_sm90_up_to_its_ratio(monkeypatch):
+    """Between the Triton union kernel's ratio (1.6) and the sm_90 kernel's (2.1) the forward runs
+    the sm_90 kernel on the plan's converted work list; above, the KV-outer kernel."""
+    import importlib
+
+    from msakit.ops.sparse_attention import triton as kv_outer
+    from msakit.ops.sparse_attention import union
+
+    sa = importlib.import_module("msakit.ops.sparse_attention")
+    calls, ratios = [], []
+    plan_fn = union.union_plan
+
+    def recording_plan(bi, qt):
+        plan = plan_fn(bi, qt)
+        ratios.append(float(plan[3].mean()))
+        return plan
+
+    monkeypatch.setattr(union, "union_plan", recording_plan)
+    monkeypatch.setattr(sa, "_sm90_runs", lambda *a: True)
+    monkeypatch.setattr(sm90, "sparse_attention_fwd_sm90", lambda *a, worklist=None: calls.append(("sm90", worklist)))
+    monkeypatch.setattr(kv_outer, "sparse_attention_fwd_triton", lambda *a: calls.append(("kv_outer", None)))
+    T, bs, K, G, Hq, D = 512, 16, 8, 1, 16, 16
+    q, k, v = torch.zeros(1, T, Hq, D), torch.zeros(1, T, G, D), torch.zeros(1, T, G, D)
+    bi = _partly_shared_selection(T, bs, K, G)
+    sa._fwd_impl(q, k, v, bi, None, bs, 0.25)
+    assert union.UNION_MAX_RATIO < ratios[-1] <= union.UNION_MAX_RATIO_SM90
+    assert [c[0] for c in calls] == ["sm90"]
+    work, count = calls[0][1]
+    ref_work, ref_count = union_worklist(bi, 8, tile_count(T, bs))
+    assert torch.equal(count, ref_count) and torch.equal(work[..., :ref_work.shape[-1]], ref_work)
+    g = torch.Generator().manual_seed(0)
+    rnd = (torch.rand(1, G, T, K, generator=g) * (torch.arange(T) // bs + 1).view(1, 1, T, 1)).int()
+    sa._fwd_impl(q, k, v, rnd, None, bs, 0.25)
+    assert ratios[-1] > union.UNION_MAX_RATIO_SM90 and [c[0] for c in calls] == ["sm90", "kv_outer"]
+
+
 def _cutlass():
     try:
         import cuda.bindings.driver  # noqa: F401

@@ -40,18 +40,20 @@ def _fwd_impl(q, k, v, block_idx, cu_seqlens, block_size, scale):
     if cu_seqlens is not None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         # documents packed in one row, or a graph capture (the plan syncs the host): KV-outer alone
         return kernels.sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
-    from .union import UNION_MAX_RATIO, sparse_attention_fwd_union, union_plan, union_q_tile, union_supports
+    from .union import (UNION_MAX_RATIO, UNION_MAX_RATIO_SM90, sparse_attention_fwd_union, union_plan, union_q_tile,
+                        union_supports)
 
     hpg, D = q.shape[2] // k.shape[2], q.shape[3]
     qt = union_q_tile(hpg, block_idx.shape[3])
     if union_supports(hpg, qt, D, block_size) and block_idx.shape[2] >= qt:
         plan = union_plan(block_idx, qt)
-        if float(plan[3].mean()) <= UNION_MAX_RATIO:  # the mean union ratio (one host sync)
-            if _sm90_runs(q, k, block_size, qt):
-                from . import sm90
+        ratio = float(plan[3].mean())  # the mean union ratio (one host sync)
+        if ratio <= UNION_MAX_RATIO_SM90 and _sm90_runs(q, k, block_size, qt):
+            from . import sm90
 
-                work = sm90.worklist_from_union_plan(plan, qt)
-                return sm90.sparse_attention_fwd_sm90(q, k, v, block_idx, block_size, scale, worklist=work)
+            work = sm90.worklist_from_union_plan(plan, qt)
+            return sm90.sparse_attention_fwd_sm90(q, k, v, block_idx, block_size, scale, worklist=work)
+        if ratio <= UNION_MAX_RATIO:
             return sparse_attention_fwd_union(q, k, v, block_idx, block_size, scale, q_tile=qt, plan=plan)
     return kernels.sparse_attention_fwd_triton(q, k, v, block_idx, cu_seqlens, block_size, scale)
 

@@ -15,7 +15,8 @@ no host sync): per tile the sorted distinct valid blocks (`ulist` int32 [B, G, n
 [B, G, nT * q_tile, W], bit s & 31 of word s >> 5).
 
 Choice (`sparse_attention`'s forward): the plan (about 1% of the forward) gives every tile's ratio;
-at a mean ratio up to `UNION_MAX_RATIO` the union kernel takes the whole call, else the KV-outer
+at a mean ratio up to `UNION_MAX_RATIO` the union kernel takes the whole call (on sm_90 with the
+CuTe DSL, up to `UNION_MAX_RATIO_SM90`, the kernel of `sm90/` on the same plan), else the KV-outer
 kernel does (one host sync; a per-tile mix of the two, measured, gained nothing over the
 better of them; sampling tiles in torch cost 0.7-1 ms a call, more than the plan).  The backward is the
 KV-outer backward either way (the same o and lse).
@@ -29,12 +30,17 @@ import triton.language as tl
 
 from ..dispatch import interpret_mode
 
-__all__ = ["union_plan", "union_supports", "union_q_tile", "sparse_attention_fwd_union", "UNION_MAX_RATIO"]
+__all__ = ["union_plan", "union_supports", "union_q_tile", "sparse_attention_fwd_union", "UNION_MAX_RATIO",
+           "UNION_MAX_RATIO_SM90"]
 
 UNION_ROWS = 128  # MMA rows per tile (8 queries x 16 heads beat 4 x 16 on every shape measured, docs/kernels.md)
 # The union kernel runs ~360 TFLOP/s on the union's work and the KV-outer kernel ~220 on the useful
 # work (H100, M3 shape, docs/kernels.md), so the union pays below a mean ratio of ~1.6.
 UNION_MAX_RATIO = 1.6
+# the same break-even for the sm_90 CuTe DSL kernel (`sm90/`): on an H100 it delivers about
+# 480 / ratio useful TFLOP/s (484 at 1.0, 329 at 1.55, 238 at 2.08, 160 at 3.4) against the
+# KV-outer kernel's ~220 in the same run, so it wins up to a ratio of about 2.1
+UNION_MAX_RATIO_SM90 = 2.1
 
 
 def union_supports(heads_per_group: int, q_tile: int, head_dim: int, block_size: int) -> bool:

@@ -10,11 +10,11 @@ blocks (`worklist`) and masks per row, so its MMA work is the union size per til
 about 1x the useful work on selections whose neighbouring queries agree, several times it on
 uniform random ones (docs/kernels.md).
 
-Dispatch (`sparse_attention`'s forward): where the union plan chooses the union-tile forward
-(mean union ratio <= `union.UNION_MAX_RATIO`), tensors this kernel takes on an sm_90 GPU with
-the DSL installed run it, with the work list converted from that plan
-(`worklist_from_union_plan`); without the DSL the Triton union kernel runs and a warning says
-so once.
+Dispatch (`sparse_attention`'s forward): where the union plan's mean union ratio is at most
+`union.UNION_MAX_RATIO_SM90` (2.1, this kernel's measured break-even against the KV-outer one),
+tensors this kernel takes on an sm_90 GPU with the DSL installed run it, with the work list
+converted from that plan (`worklist_from_union_plan`); without the DSL the Triton union kernel
+runs up to its own `union.UNION_MAX_RATIO` and a warning says so once.
 """
 
 from __future__ import annotations
