@@ -217,7 +217,7 @@ def old_grouped_mm(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, 
     active = max(1, min(G, M))
     programs = active * triton.cdiv(N, bn)
     split, steps = 1, triton.cdiv(K, bk)
-    while programs * split * 2 <= 2 * packed_triton._sm_count(x.device) and split * 4 <= steps:
+    while programs * split <= torch.cuda.get_device_properties(x.device).multi_processor_count and split * 4 <= steps:
         split *= 2
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)
