@@ -6,6 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # CPU pins: these wheels lie on the project's machines' local disk.
 CPU_PINS := torch==2.13.0 triton==3.6.0 "numpy<2.4"
+# pytest-xdist workers for `make test` (the tests' conftest gives each one torch thread)
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test clean
 
@@ -22,7 +24,7 @@ demo: venv
 	$(BIN)/msakit demo
 
 test: venv
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
 
 clean:
 	rm -rf $(VENV)

@@ -1,5 +1,6 @@
 """A run under `torchrun ... msakit train --fsdp` is a run like others (gloo on CPU, two processes
-spawned from pytest, timeouts on every launch): its summary names the sharded checkpoint, it
+spawned from pytest, timeouts on every launch; the one-process commands after it run in pytest's
+process): its summary names the sharded checkpoint, it
 resumes from the command line on the same number of processes and on one (DCP reshards), its
 newest checkpoint exports to the single-file layout (`msakit export`), and `msakit generate`
 reads both the run folder and the export."""
@@ -12,10 +13,11 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
-import pytest
 import torch
 
+from msakit.cli import main
 from msakit.models import M3ForCausalLM
 from msakit.train.checkpoint import find_checkpoint
 
@@ -28,6 +30,15 @@ def _msakit(tmp_path: Path, *args: str, nproc: int = 0) -> subprocess.CompletedP
     launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "msakit"]
               if nproc else [sys.executable, "-m", "msakit"])
     return subprocess.run([*launch, *args], capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=tmp_path)
+
+
+def _in_process(capsys, *args: str) -> SimpleNamespace:
+    """`msakit ARGS` run by `msakit.cli.main` in this process (a one-process command needs no fresh
+    interpreter: it saves the ~2 s import of torch and msakit per command), shaped like `_msakit`'s result."""
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
 def _train_args(tmp_path: Path) -> list[str]:
@@ -45,7 +56,8 @@ def _steps(run: Path) -> list[int]:
     return [r["step"] for r in recs if r["kind"] == "train"]
 
 
-def test_sharded_run_resumes_exports_and_generates(tmp_path):
+def test_sharded_run_resumes_exports_and_generates(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
     r = _msakit(tmp_path, "train", *_train_args(tmp_path), "--steps", "2", "--fsdp", "--out", str(run), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -62,8 +74,8 @@ def test_sharded_run_resumes_exports_and_generates(tmp_path):
     assert _steps(run) == [1, 2, 3, 4]
 
     # one process: DCP reshards the checkpoint; the run goes on in the single-file layout
-    r = _msakit(tmp_path, "train", "--resume", "--out", str(run), "--steps", "6", "--no-progress", "--device", "cpu",
-                "--cache-dir", str(tmp_path / "cache"))
+    r = _in_process(capsys, "train", "--resume", "--out", str(run), "--steps", "6", "--no-progress", "--device", "cpu",
+                    "--cache-dir", str(tmp_path / "cache"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "at step 4" in r.stdout, r.stdout
     assert find_checkpoint(run) == run / "checkpoints" / "step-00000006"
@@ -71,7 +83,7 @@ def test_sharded_run_resumes_exports_and_generates(tmp_path):
 
     # export the sharded step-4 checkpoint; the weights equal those the DCP shards hold
     out = tmp_path / "export"
-    r = _msakit(tmp_path, "export", str(run / "sharded" / "step-00000004"), "--out", str(out))
+    r = _in_process(capsys, "export", str(run / "sharded" / "step-00000004"), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     a = M3ForCausalLM.from_pretrained(out)
@@ -80,7 +92,7 @@ def test_sharded_run_resumes_exports_and_generates(tmp_path):
         assert torch.equal(x, y), n
 
     for src in (out, run / "sharded" / "step-00000004"):
-        r = _msakit(tmp_path, "generate", str(src), "--prompt", "def f(", "--max-new-tokens", "4", "--temperature",
-                    "0", "--device", "cpu")
+        r = _in_process(capsys, "generate", str(src), "--prompt", "def f(", "--max-new-tokens", "4", "--temperature",
+                        "0", "--device", "cpu")
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.startswith("def f("), r.stdout

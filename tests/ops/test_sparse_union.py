@@ -61,7 +61,9 @@ def test_union_kernel_matches_reference(dtype):
 
 def test_ratio_and_choice():
     g = torch.Generator().manual_seed(3)
-    B, T, Hq, G, D, bs, K = 1, 256, 32, 2, 16, 16, 4
+    # M3's 16 heads per group (8-query tiles); T=128 with topk 2 leaves random selections a ratio near
+    # 2 (above UNION_MAX_RATIO: the KV-outer path) at a fraction of T=256's interpreter time
+    B, T, Hq, G, D, bs, K = 1, 128, 32, 2, 16, 16, 2
     qt = union_q_tile(Hq // G, K)
     assert qt == 8 and union_supports(Hq // G, qt, D, bs) and not union_supports(3, qt, D, bs)
     shared = shared_selection(B, G, T, bs, K, qt, g)
