@@ -159,17 +159,19 @@ def variants(dev, scale) -> list:
         work, count, lists = craft(ents, dev, T=T)
         ro, rlse = reference(q, k, v, lists, scale)
         dummy = torch.zeros(1, 1, T, 1, dtype=torch.int32, device=dev)
-        for cons, stages in ((2, 2), (2, 1), (2, 3)):  # tiles of 8 queries: the work lists above
-            sm90.CONFIG.update(consumers=cons, stages=stages)
+        # tiles of 8 queries: the work lists above
+        for cons, stages, ov in ((2, 2, False), (2, 1, False), (2, 3, False), (2, 2, True), (2, 1, True), (2, 3, True)):
+            sm90.CONFIG.update(consumers=cons, stages=stages, overlap=ov)
+            name = f"{nblk} entries, consumers={cons} stages={stages} overlap={ov}"
             try:
                 o, lse = sm90.sparse_attention_fwd_sm90(q, k, v, dummy, BS, scale, worklist=(work, count))
                 torch.cuda.synchronize()
-                res = analyse(f"{nblk} entries, consumers={cons} stages={stages}", o, lse, ro, rlse, False, lists)
+                res = analyse(name, o, lse, ro, rlse, False, lists)
             except Exception as ex:  # noqa: BLE001  (report and go on)
-                res = {"exp": f"{nblk} entries, consumers={cons} stages={stages}", "error": f"{type(ex).__name__}: {ex}"[:600]}
+                res = {"exp": name, "error": f"{type(ex).__name__}: {ex}"[:600]}
                 print(res, flush=True)
             out.append(res)
-    sm90.CONFIG.update(consumers=2, stages=2)
+    sm90.CONFIG.update(consumers=2, stages=2, overlap=False)
     return out
 
 
@@ -253,7 +255,10 @@ def main() -> None:
     ]
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
     tensors = {}
-    for name, q, k, v, ents, v_eye in exps:
+    runs = [(ov, *x) for ov in (False, True) for x in exps]  # every experiment on the plain and the overlap build
+    for ov, name, q, k, v, ents, v_eye in runs:
+        sm90.CONFIG["overlap"] = ov
+        name = f"{name}{' overlap' if ov else ''}"
         qd = q.to(dev, torch.bfloat16)
         kd = k.view(1, T, 1, D).to(dev, torch.bfloat16)
         vd = v.view(1, T, 1, D).to(dev, torch.bfloat16)
@@ -268,15 +273,16 @@ def main() -> None:
             continue
         ro, rlse = reference(qd, kd, vd, lists, scale)
         res = analyse(name, o, lse, ro, rlse, v_eye, lists)
-        if name == "e1":
+        if name.startswith("e1"):
             res["row_lse_map"] = row_lse_map(lse, rlse, lists)
             print("  row map:", json.dumps(res["row_lse_map"])[:600], flush=True)
         report["results"].append(res)
-        if name in ("e0", "e1", "e2", "e3"):
-            tensors[f"{name}_o"] = o[0].float().cpu().contiguous()
-            tensors[f"{name}_ref"] = ro.contiguous()
-            tensors[f"{name}_lse"] = lse[0].float().cpu().contiguous()
-            tensors[f"{name}_ref_lse"] = rlse.contiguous()
+        if name in ("e0", "e1", "e2", "e3", "e0 overlap", "e1 overlap", "e2 overlap", "e3 overlap"):
+            tensors[f"{name.replace(' ', '_')}_o"] = o[0].float().cpu().contiguous()
+            tensors[f"{name.replace(' ', '_')}_ref"] = ro.contiguous()
+            tensors[f"{name.replace(' ', '_')}_lse"] = lse[0].float().cpu().contiguous()
+            tensors[f"{name.replace(' ', '_')}_ref_lse"] = rlse.contiguous()
+    sm90.CONFIG["overlap"] = False
     report["debug_dump"] = debug_dump(dev, scale)
     report["variants"] = variants(dev, scale)
     out = Path(os.environ.get("OUT", "."))

@@ -23,6 +23,15 @@ One CTA per (tile of QUERIES consecutive queries, kv group g, batch b); its 16 *
 - epilogue: O / rowsum (0 for a row with no key) to bf16 and lse = max * scale + log(sum)
   (natural log; -inf for a row with no key), written per (query, head) for queries < T.
 
+overlap=True (FlashAttention-3's intra-warpgroup overlap, one S register set): the first entry's S
+and softmax before the loop; per entry i with a next one: P_i to bf16, wait V_i and K_{i+1}, issue
+S_{i+1} = Q K_{i+1}^T into the S registers and O += P_i V_i, wait for S_{i+1} (release K_{i+1}),
+mask and softmax of entry i + 1 while P_i V_i runs, wait for it (release V_i), then O *= alpha_{i+1};
+the last entry's P V after the loop.  The same operations on the same values in the same order as
+the plain loop (O: P_i V_i added, then the rescale of entry i + 1), so the same results.  Measured
+on the compiler only: ptxas places a full wgmma wait before the softmax's first write to S (after
+the partial wait that completes S_{i+1}), so the softmax does not yet run under P V (see `_overlap_entry`).
+
 The wgmma's scale-d operand is the TiledMma's runtime ACCUMULATE field: set False for the first
 k-block of S (zero init) and True after; O is zeroed once and always accumulated.
 """
@@ -61,7 +70,7 @@ class SparseFwdSm90:
     """The kernel of the module docstring; `consumers` consumer warpgroups (1 or 2: tiles of 4 or
     8 queries), `stages` buffers per pipeline."""
 
-    def __init__(self, consumers: int = 2, stages: int = 2, debug_tile: int = -1):
+    def __init__(self, consumers: int = 2, stages: int = 2, debug_tile: int = -1, overlap: bool = False):
         if consumers not in (1, 2) or stages < 1:
             raise ValueError(f"consumers must be 1 or 2 and stages >= 1, got {consumers}, {stages}")
         self.consumers = consumers
@@ -69,6 +78,10 @@ class SparseFwdSm90:
         # debug_tile >= 0: for that tile (g = b = 0) the first consumer warpgroup writes, at its
         # work entry 1, the K buffer it reads (mDbg[0]: 128 x 128) and the raw S (mDbg[1, :64])
         self.debug_tile = debug_tile
+        # overlap: the S wgmma of entry i + 1 runs while the softmax of entry i does (module docstring)
+        self.overlap = bool(overlap)
+        if self.overlap and debug_tile >= 0:
+            raise ValueError("debug_tile is a build of the plain loop (overlap=False)")
         self.queries = consumers * WG_ROWS // HPG
         self.threads = 128 * (1 + consumers)
         self.producer_regs, self.consumer_regs = (40, 232) if consumers == 2 else (56, 240)
@@ -106,6 +119,106 @@ class SparseFwdSm90:
         self.kernel(mQ, tma_k, tK, tma_v, tV, mO, mLSE, mWork, mCount, mDbg, scale * LOG2E, scale, tiled_qk,
                     tiled_pv, s_layout, q_layout, tx_bytes).launch(
             grid=(ntiles, G, B), block=(self.threads, 1, 1), smem=smem, stream=stream, min_blocks_per_mp=1)
+
+    def _entry_state(self, i: Int32) -> pipeline.PipelineState:
+        """The consumer's pipeline state of work entry i (stage i mod stages, phase bit of the
+        round), as `stages`-fold advances of `make_pipeline_state(Consumer)` give it."""
+        return pipeline.PipelineState(self.stages, i, i % self.stages, (i // self.stages) % 2)
+
+    @cute.jit
+    def _issue_qk(self, tiled_qk: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                  wg: Int32, stage: Int32) -> cute.TiledMma:
+        """Issue S = Q K^T of one K stage into acc (zero-initialised by the first k-block) and
+        commit it as one wgmma group; not waited.  Returns tiled_qk, whose ACCUMULATE field it
+        set: the caller rebinds it, so that the field's value is carried out of a branch."""
+        warpgroup.fence()
+        tiled_qk.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(tiled_qk, acc, tSrQ[None, None, k, wg], tSrK[None, None, k, stage], acc)
+            tiled_qk.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        return tiled_qk
+
+    @cute.jit
+    def _overlap_entry(self, i: Int32, has_next: cutlass.Constexpr, tiled_qk: cute.TiledMma,
+                       tiled_pv: cute.TiledMma, ops: tuple, mWork: cute.Tensor, b: Int32, g: Int32, tile: Int32,
+                       own: Int32, wg: Int32, scale_log2: Float32) -> cute.TiledMma:
+        """Work entry i of the overlapped loop, its softmax done (P in fp32 in acc_S, O rescaled):
+        O += P V; with has_next, S of entry i + 1 into acc_S (issued before P V, waited after it is
+        issued) and its softmax while P V runs, then O's rescale.  Returns tiled_qk (`_issue_qk`)."""
+        pipe_k, pipe_v, tSrQ, tSrK, tOrP, tOrP_acc, tOrV, acc_S, acc_O, cS, row_max, row_sum, row_q, alpha = ops
+        tOrP_acc.store(acc_S.load().to(cutlass.BFloat16))
+        # both stages are waited for before the first wgmma is issued: no branch (the mbarrier
+        # wait loop) between the two wgmma groups, or ptxas cannot tell S's group from P V's and
+        # waits for both before the softmax touches S (V of i is loaded before K of i + 1)
+        vst = self._entry_state(i)
+        pipe_v.consumer_wait(vst)
+        if cutlass.const_expr(has_next):  # ---- S of the next entry into acc_S (read into P above)
+            kst = self._entry_state(i + 1)
+            pipe_k.consumer_wait(kst)
+            tiled_qk = self._issue_qk(tiled_qk, acc_S, tSrQ, tSrK, wg, kst.index)
+        # ---- O += P V
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(tiled_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, vst.index], acc_O)
+        warpgroup.commit_group()
+        if cutlass.const_expr(has_next):  # groups complete in order: S of i + 1, then P V of i
+            warpgroup.wait_group(1)
+            pipe_k.consumer_release(kst)
+            e = mWork[b, g, tile, i + 1]
+            self._softmax(acc_S, acc_O, cS, row_max, row_sum, row_q, e, e >> QBITS, own, tile, scale_log2,
+                          alpha_out=alpha)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(vst)
+        if cutlass.const_expr(has_next):
+            for r in cutlass.range_constexpr(2):
+                for v in cutlass.range_constexpr(cute.size(acc_O) // 4):
+                    for c0 in cutlass.range_constexpr(2):
+                        acc_O[c0 + 2 * r + 4 * v] = acc_O[c0 + 2 * r + 4 * v] * alpha[r]
+        return tiled_qk
+
+    @cute.jit
+    def _softmax(self, acc_S: cute.Tensor, acc_O: cute.Tensor, cS: cute.Tensor, row_max: cute.Tensor,
+                 row_sum: cute.Tensor, row_q: cute.Tensor, e: Int32, blk: Int32, own: Int32, tile: Int32,
+                 scale_log2: Float32, alpha_out: cute.Tensor = None):
+        """Mask, online softmax and O rescale of one work entry e (block blk = e >> QBITS, row mask
+        e & 0xFF; own: the tile's block), in place: S (acc_S) -> unnormalised P, row_max / row_sum
+        updated, acc_O scaled by alpha (with alpha_out: alpha stored there per row, acc_O untouched,
+        for a caller whose P V wgmma is still in flight)."""
+        nv = cute.size(acc_S) // 4
+        causal = blk >= own
+        for r in cutlass.range_constexpr(2):
+            keep = ((e >> row_q[r]) & 1) != 0
+            # causal: column c of the block is key blk * BLOCK + c <= query; elsewhere no limit
+            lim = tile * self.queries + row_q[r] - blk * BLOCK if causal else Int32(BLOCK)
+            mx = -Float32.inf
+            for v in cutlass.range_constexpr(nv):
+                for c0 in cutlass.range_constexpr(2):
+                    j = c0 + 2 * r + 4 * v
+                    ok = keep & (cS[j][1] <= lim)
+                    s = acc_S[j] if ok else -Float32.inf
+                    acc_S[j] = s
+                    mx = cute.arch.fmax(mx, s)
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            m_new = cute.arch.fmax(row_max[r], mx)
+            base = m_new * scale_log2 if m_new != -Float32.inf else Float32(0.0)
+            alpha = cute.math.exp2(row_max[r] * scale_log2 - base, fastmath=True)
+            row_max[r] = m_new
+            acc = Float32(0.0)
+            for v in cutlass.range_constexpr(nv):
+                for c0 in cutlass.range_constexpr(2):
+                    j = c0 + 2 * r + 4 * v
+                    p = cute.math.exp2(acc_S[j] * scale_log2 - base, fastmath=True)
+                    acc_S[j] = p
+                    acc += p
+            row_sum[r] = row_sum[r] * alpha + acc
+            if cutlass.const_expr(alpha_out is None):
+                for v in cutlass.range_constexpr(cute.size(acc_O) // 4):
+                    for c0 in cutlass.range_constexpr(2):
+                        acc_O[c0 + 2 * r + 4 * v] = acc_O[c0 + 2 * r + 4 * v] * alpha
+            else:
+                alpha_out[r] = alpha
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -190,7 +303,6 @@ class SparseFwdSm90:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
 
             # accumulator fragments: ((2 cols, 2 rows, N/8), 1, 1); a thread holds 2 rows
-            nv = cute.size(acc_S) // 4
             row_max = cute.make_rmem_tensor((2,), Float32)
             row_sum = cute.make_rmem_tensor((2,), Float32)
             row_q = cute.make_rmem_tensor((2,), Int32)  # query-in-tile of each row
@@ -200,70 +312,69 @@ class SparseFwdSm90:
                 row_q[r] = wg * (WG_ROWS // HPG) + cS[2 * r][0] // HPG
             acc_O.fill(0.0)
 
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for i in cutlass.range(n, unroll=1):
-                e = mWork[b, g, tile, i]
-                blk = e >> QBITS
-                # ---- S = Q K^T
-                pipe_k.consumer_wait(state)
-                if cutlass.const_expr(self.debug_tile >= 0):
-                    if tile == self.debug_tile and g == 0 and b == 0 and i == 1 and wg == 0:
-                        for d in cutlass.range_constexpr(D):
-                            mDbg[0, tid, d] = sK[tid, d, state.index].to(Float32)
-                warpgroup.fence()
-                tiled_qk.set(warpgroup.Field.ACCUMULATE, False)
-                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    cute.gemm(tiled_qk, acc_S, tSrQ[None, None, k, wg], tSrK[None, None, k, state.index], acc_S)
-                    tiled_qk.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                if cutlass.const_expr(self.debug_tile >= 0):
-                    if tile == self.debug_tile and g == 0 and b == 0 and i == 1 and wg == 0:
-                        for j in cutlass.range_constexpr(cute.size(acc_S)):
-                            mDbg[1, cS[j][0], cS[j][1]] = acc_S[j]
-                pipe_k.consumer_release(state)
-                # ---- mask, online softmax
-                causal = blk >= own
-                for r in cutlass.range_constexpr(2):
-                    keep = ((e >> row_q[r]) & 1) != 0
-                    # causal: column c of the block is key blk * BLOCK + c <= query; elsewhere no limit
-                    lim = tile * self.queries + row_q[r] - blk * BLOCK if causal else Int32(BLOCK)
-                    mx = -Float32.inf
-                    for v in cutlass.range_constexpr(nv):
-                        for c0 in cutlass.range_constexpr(2):
-                            j = c0 + 2 * r + 4 * v
-                            ok = keep & (cS[j][1] <= lim)
-                            s = acc_S[j] if ok else -Float32.inf
-                            acc_S[j] = s
-                            mx = cute.arch.fmax(mx, s)
-                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                    m_new = cute.arch.fmax(row_max[r], mx)
-                    base = m_new * scale_log2 if m_new != -Float32.inf else Float32(0.0)
-                    alpha = cute.math.exp2(row_max[r] * scale_log2 - base, fastmath=True)
-                    row_max[r] = m_new
-                    acc = Float32(0.0)
-                    for v in cutlass.range_constexpr(nv):
-                        for c0 in cutlass.range_constexpr(2):
-                            j = c0 + 2 * r + 4 * v
-                            p = cute.math.exp2(acc_S[j] * scale_log2 - base, fastmath=True)
-                            acc_S[j] = p
-                            acc += p
-                    row_sum[r] = row_sum[r] * alpha + acc
-                    for v in cutlass.range_constexpr(cute.size(acc_O) // 4):
-                        for c0 in cutlass.range_constexpr(2):
-                            acc_O[c0 + 2 * r + 4 * v] = acc_O[c0 + 2 * r + 4 * v] * alpha
-                tOrP_acc.store(acc_S.load().to(bf16))
-                # ---- O += P V
-                pipe_v.consumer_wait(state)
-                warpgroup.fence()
-                tiled_pv.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    cute.gemm(tiled_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, state.index], acc_O)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(state)
-                state.advance()
+            if cutlass.const_expr(not self.overlap):
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                for i in cutlass.range(n, unroll=1):
+                    e = mWork[b, g, tile, i]
+                    blk = e >> QBITS
+                    # ---- S = Q K^T
+                    pipe_k.consumer_wait(state)
+                    if cutlass.const_expr(self.debug_tile >= 0):
+                        if tile == self.debug_tile and g == 0 and b == 0 and i == 1 and wg == 0:
+                            for d in cutlass.range_constexpr(D):
+                                mDbg[0, tid, d] = sK[tid, d, state.index].to(Float32)
+                    warpgroup.fence()
+                    tiled_qk.set(warpgroup.Field.ACCUMULATE, False)
+                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                        cute.gemm(tiled_qk, acc_S, tSrQ[None, None, k, wg], tSrK[None, None, k, state.index], acc_S)
+                        tiled_qk.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(self.debug_tile >= 0):
+                        if tile == self.debug_tile and g == 0 and b == 0 and i == 1 and wg == 0:
+                            for j in cutlass.range_constexpr(cute.size(acc_S)):
+                                mDbg[1, cS[j][0], cS[j][1]] = acc_S[j]
+                    pipe_k.consumer_release(state)
+                    # ---- mask, online softmax
+                    self._softmax(acc_S, acc_O, cS, row_max, row_sum, row_q, e, blk, own, tile, scale_log2)
+                    tOrP_acc.store(acc_S.load().to(bf16))
+                    # ---- O += P V
+                    pipe_v.consumer_wait(state)
+                    warpgroup.fence()
+                    tiled_pv.set(warpgroup.Field.ACCUMULATE, True)
+                    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                        cute.gemm(tiled_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, state.index], acc_O)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    pipe_v.consumer_release(state)
+                    state.advance()
+
+            else:
+                # FlashAttention-3's intra-warpgroup overlap with one S register set: entry i starts
+                # with its softmax done (P in fp32 in acc_S, O rescaled); P -> bf16, S of entry
+                # i + 1 issued into acc_S, P V of entry i issued, S of i + 1 waited, its softmax runs
+                # while P V of i does (O's rescale by alpha deferred until P V completed).  The last
+                # entry is peeled off the loop: no wgmma is issued in a branch that joins before its
+                # wait (ptxas serialises every wgmma of the kernel where one is), and P is written
+                # and read by its wgmma within one entry (no wgmma operand crosses a back edge)
+                tiled_pv.set(warpgroup.Field.ACCUMULATE, True)  # outside the branches: O always accumulates
+                alpha = cute.make_rmem_tensor((2,), Float32)
+                ops = (pipe_k, pipe_v, tSrQ, tSrK, tOrP, tOrP_acc, tOrV, acc_S, acc_O, cS, row_max, row_sum, row_q,
+                       alpha)
+                if n > 0:
+                    st0 = self._entry_state(Int32(0))
+                    pipe_k.consumer_wait(st0)
+                    tiled_qk = self._issue_qk(tiled_qk, acc_S, tSrQ, tSrK, wg, st0.index)
+                    warpgroup.wait_group(0)
+                    pipe_k.consumer_release(st0)
+                    e0 = mWork[b, g, tile, 0]
+                    self._softmax(acc_S, acc_O, cS, row_max, row_sum, row_q, e0, e0 >> QBITS, own, tile, scale_log2)
+                for i in cutlass.range(n - 1, unroll=1):  # entries 0 .. n - 2: each has a next one
+                    tiled_qk = self._overlap_entry(i, True, tiled_qk, tiled_pv, ops, mWork, b, g, tile, own, wg,
+                                                   scale_log2)
+                if n > 0:
+                    tiled_qk = self._overlap_entry(n - 1, False, tiled_qk, tiled_pv, ops, mWork, b, g, tile, own, wg,
+                                                   scale_log2)
 
             # ---- epilogue: O / sum, lse
             for r in cutlass.range_constexpr(2):
@@ -284,7 +395,7 @@ class SparseFwdSm90:
 
 
 def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: int = 2, stages: int = 2,
-                  debug_tile: int = -1) -> dict:
+                  debug_tile: int = -1, overlap: bool = False) -> dict:
     """Compile the kernel for `arch` against fake tensors (dynamic shapes and strides, as the host
     wrapper's from_dlpack tensors have): no GPU or torch needed.  With dump_dir, the PTX and cubin
     go there.  Returns {"seconds", "files": {name: bytes}}."""
@@ -306,6 +417,6 @@ def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: 
         os.makedirs(dump_dir, exist_ok=True)
         opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     t0 = time.time()
-    cute.compile(SparseFwdSm90(consumers, stages, debug_tile), *args, Float32(0.0884), cuda.CUstream(0), options=opts)
+    cute.compile(SparseFwdSm90(consumers, stages, debug_tile, overlap), *args, Float32(0.0884), cuda.CUstream(0), options=opts)
     files = sorted(glob.glob(os.path.join(dump_dir, "*"))) if dump_dir else []
     return {"seconds": time.time() - t0, "files": {os.path.basename(f): os.path.getsize(f) for f in files}}
