@@ -9,8 +9,9 @@ ALU_OPS = ("FMNMX", "SEL", "FSEL", "FSETP", "ISETP", "IADD3", "LOP3", "SHF", "VI
             "IMNMX", "LEA", "PRMT", "VIADD", "IABS", "BMSK")
 
 
-def sass_loops(sass: str) -> list[list[tuple[int, str]]]:
-    """Bodies (address, opcode) of the backward-branch loops that contain a wgmma, smallest first."""
+def sass_loops(sass: str, mma: tuple[str, ...] = ("GMMA",)) -> list[list[tuple[int, str]]]:
+    """Bodies (address, opcode) of the backward-branch loops holding an opcode that contains one of
+    `mma` (default: a wgmma of any type, HGMMA, QGMMA, ...), smallest first."""
     import re
 
     ins = []
@@ -24,7 +25,7 @@ def sass_loops(sass: str) -> list[list[tuple[int, str]]]:
         m = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in addr:
             body = [(x, o) for x, o, _ in ins[addr[int(m.group(1), 16)]: i + 1]]
-            if any("GMMA" in o for _, o in body):
+            if any(key in o for _, o in body for key in mma):
                 loops.append(body)
     return sorted(loops, key=len)
 

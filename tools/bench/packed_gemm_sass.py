@@ -20,20 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def loops(sass: str) -> list[list[str]]:
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    addr = {a: i for i, (a, _, _) in enumerate(ins)}
-    out = []
-    for i, (a, op, rest) in enumerate(ins):
-        m = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in addr:
-            body = [o for _, o, _ in ins[addr[int(m.group(1), 16)]: i + 1]]
-            if any(o.startswith(("HMMA", "HGMMA")) for o in body):
-                out.append(body)
-    return sorted(out, key=len)
+    """Opcodes of the loops of `sass` holding a wgmma or an mma.sync, smallest first."""
+    from tools.sass import sass_loops
+
+    return [[op for _, op in body] for body in sass_loops(sass, mma=("HGMMA", "HMMA"))]
 
 
 def count(fn, consts: dict, warps: int, stages: int, bn: int, bk: int, dump: str | None = None, tag: str = "",
