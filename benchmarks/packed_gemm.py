@@ -232,8 +232,7 @@ def old_grouped_mm(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, 
 
 
 def ab_sweep_configs() -> list[GemmConfig]:
-    return [GemmConfig(16, bn, bk, sp, 4, st, swap=sw) for bn, bk, sw in ((128, 256, True), (64, 256, True),
-                                                                       (128, 128, True), (64, 256, False))
+    return [GemmConfig(16, bn, bk, sp, 4, st) for bn, bk in ((128, 256), (64, 256), (128, 128))
             for sp in (1, 2) for st in (3,)]
 
 

@@ -80,19 +80,16 @@ def test_grouped_kernel(fmt, case, dt):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("cfg", [(16, 16, 32, 3, True), (32, 32, 64, 2, False), (64, 16, 128, 1, True),
-                                 (16, 32, 64, 2, False)])
+@pytest.mark.parametrize("cfg", [(16, 16, 32, 3), (32, 32, 64, 2), (64, 16, 128, 1), (16, 32, 64, 2)])
 def test_grouped_kernel_tiles_and_split_k(fmt, cfg):
-    """Explicit tiles: several row tiles per group, split-K partials summed by the launcher; the
-    NVFP4 kernel with the weight as the MMA's first or second operand."""
+    """Explicit tiles: several row tiles per group, split-K partials summed by the launcher."""
     from msakit.ops.packed_gemm.triton import GemmConfig, grouped_mm_triton
 
     counts, N, K = [40, 0, 7, 33], 48, 192
     _, (w, s, gs) = packed(len(counts), N, K, fmt, seed=3)
     x = torch.randn(sum(counts), K, generator=torch.Generator().manual_seed(2)).to(DEV, torch.bfloat16)
-    bm, bn, bk, split, swap = cfg
-    y = grouped_mm_triton(x, torch.tensor(counts, device=DEV), w, s, gs, fmt,
-                          GemmConfig(bm, bn, bk, split, 4, 2, swap=swap))
+    bm, bn, bk, split = cfg
+    y = grouped_mm_triton(x, torch.tensor(counts, device=DEV), w, s, gs, fmt, GemmConfig(bm, bn, bk, split, 4, 2))
     check(y, expected(x, counts, dequantize_reference(w, s, gs, fmt, torch.bfloat16)), x, K)
 
 

@@ -55,8 +55,8 @@ def count(fn, consts: dict, warps: int, stages: int, bn: int, bk: int, dump: str
     return row
 
 
-# (BLOCK_N, BLOCK_K, warps, swap); the library's default first
-NEW_CONFIGS = ((128, 256, 4, True), (64, 256, 4, True), (128, 128, 4, True), (128, 256, 4, False), (64, 256, 4, False))
+# (BLOCK_N, BLOCK_K, warps); the library's decode default first
+NEW_CONFIGS = ((64, 256, 4), (128, 256, 4), (128, 128, 4))
 
 
 def main(argv=None) -> int:
@@ -75,11 +75,11 @@ def main(argv=None) -> int:
             c = {"FMT": 0, "DT": 1, "OUT_F32": True, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 128}
             rows.append(count(fn, c, w, a.stages, bn, bk, a.dump, f"old_bn{bn}_bk{bk}_w{w}"))
     if a.kernel in ("new", "both"):
-        for bn, bk, w, sw in NEW_CONFIGS:
-            c = {"DT": 1, "OUT_F32": True, "EVEN_K": True, "EVEN_N": True, "SWAP": sw, "BLOCK_M": 16,
+        for bn, bk, w in NEW_CONFIGS:
+            c = {"DT": 1, "OUT_F32": True, "EVEN_K": True, "EVEN_N": True, "BLOCK_M": 16,
                  "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 128}
             rows.append(count(T._nvfp4_grouped_kernel, c, w, a.stages, bn, bk, a.dump,
-                              f"new_bn{bn}_bk{bk}_w{w}_swap{int(sw)}", "*i32"))
+                              f"new_bn{bn}_bk{bk}_w{w}", "*i32"))
     for r in rows:
         print(r)
     return 0

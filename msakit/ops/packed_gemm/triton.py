@@ -62,7 +62,6 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    swap: bool = True  # NVFP4 16-bit kernel: the weight tile as the MMA's first operand (y.T = w @ x.T)
 
 
 @triton.jit
@@ -323,9 +322,9 @@ def _nvfp4_tile(words, sc, gs, BN: tl.constexpr, NB: tl.constexpr, DT: tl.conste
 
 @triton.jit
 def _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT: tl.constexpr, FAST: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 SWAP: tl.constexpr):
-    """acc += x[:, k_lo:k_hi] @ dequant(w[:, k_lo:k_hi]).T (NVFP4 through the byte tables).
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += dequant(w[:, k_lo:k_hi]) @ x[:, k_lo:k_hi].T (NVFP4 through the
+    byte tables; the weight tile is the MMA's first operand, the fewest instructions per weight).
     j_lo = k_lo / 8 (the first code word), b_lo = k_lo / 16 (the first scale), passed from
     arguments so that the compiler sees their alignment and vectorizes the loads (16 bytes).
     EVEN_K: every K step is whole (no K masks); EVEN_N: every weight row exists (no N masks)."""
@@ -344,10 +343,7 @@ def _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, 
         else:
             x = tl.load(xrow + k[None, :], mask=r_ok[:, None] & (k < k_hi)[None, :], other=0.0)
         w = _nvfp4_tile(words, bs, gs, BLOCK_N, BLOCK_K // 16, DT, FAST)
-        if SWAP:
-            acc = _dot(w, _operand(x, DT), acc, DT)  # acc [BLOCK_N, BLOCK_M] = w @ x.T
-        else:
-            acc = _dot(_operand(x, DT), w, acc, DT)
+        acc = _dot(w, _operand(x, DT), acc, DT)
     return acc
 
 
@@ -355,7 +351,7 @@ def _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, 
 def _nvfp4_grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split, kw_per_split, kb_per_split,
                           sxm, swg, swn, ssg, ssn, sys, sym,
                           DT: tl.constexpr, OUT_F32: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                          SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
     """NVFP4 weight-only grouped GEMM for 16-bit x (bfloat16 / float16): W is the code bytes
     viewed as int32 words (swg, swn in words), dequantized through per-block byte tables."""
     g, m0, m_end, ok = _group_tile(COUNTS, G, tl.program_id(0), BLOCK_M, BLOCK_G)
@@ -373,20 +369,16 @@ def _nvfp4_grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split, kw_pe
     k_hi = tl.minimum(K, k_lo + k_per_split)
     j_lo = pid_k * kw_per_split
     b_lo = pid_k * kb_per_split
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     gs = tl.load(GS + g)
     ga = tl.abs(gs)
     if DT == 1 and (ga >= 7.703719777548943e-34) and (ga <= 1.298074214633707e33):  # 2^-110 .. 2^110
         acc = _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT, True, BLOCK_N, BLOCK_K,
-                           EVEN_K, EVEN_N, SWAP)
+                           EVEN_K, EVEN_N)
     else:
         acc = _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT, False, BLOCK_N, BLOCK_K,
-                           EVEN_K, EVEN_N, SWAP)
-    if SWAP:
-        acc = tl.trans(acc)
+                           EVEN_K, EVEN_N)
+    acc = tl.trans(acc)
     out = Y + pid_k.to(tl.int64) * sys + rows.to(tl.int64)[:, None] * sym + n[None, :]
     m = r_ok[:, None] & n_ok[None, :]
     if OUT_F32:
@@ -584,7 +576,7 @@ def grouped_mm_triton(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tenso
                 x, wd, _u8(scales), gs, counts, y, G, M, N, K, k_per_split, k_per_split // 8, k_per_split // 16,
                 x.stride(0), wd.stride(0), wd.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
                 y.stride(1), DT=_DT[x.dtype], OUT_F32=out_f32, EVEN_K=K % k_per_split == 0 and k_per_split % bk == 0,
-                EVEN_N=N % cfg.block_n == 0, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                EVEN_N=N % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=bk, BLOCK_G=max(2, _pow2(G)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         if not out_f32:
