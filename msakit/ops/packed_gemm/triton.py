@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..dispatch import interpret_mode
 
-__all__ = ["e2m1_to_f32", "e4m3_bits_to_f32", "e8m0_to_f32", "GemmConfig", "grouped_config", "grouped_mm_triton",
+__all__ = ["e2m1_to_f32", "prmt", "e4m3_bits_to_f32", "e8m0_to_f32", "GemmConfig", "grouped_config", "grouped_mm_triton",
            "scaled_config", "scaled_mm_triton"]
 
 _INTERP = tl.constexpr(interpret_mode())
@@ -145,20 +145,25 @@ def _dot(a, b, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _prmt(a, b, sel):
+def prmt(a, b, sel):
     """PTX ``prmt.b32 d, a, b, sel`` (default mode) on int32 tensors: byte k of d is byte
     (sel >> 4k) & 7 of the 8-byte value b:a, or, when bit 3 of that selector nibble is set,
-    that byte's top bit replicated.  Only the low 16 bits of sel count.  Interpreted: integer
-    emulation (the twin of the inline-asm decode below)."""
-    s_all = sel + (a & 0) + (b & 0)
-    r = s_all & 0
-    for k in tl.static_range(4):
-        s = (s_all >> (4 * k)) & 15
-        i = s & 7
-        byte = (tl.where(i < 4, a, b) >> ((i & 3) * 8)) & 0xFF
-        byte = tl.where(s >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
-        r = r | (byte << (8 * k))
-    return r
+    that byte's top bit replicated into all 8 bits.  Only the low 16 bits of sel count.  One
+    instruction on the GPU; an integer emulation under TRITON_INTERPRET=1."""
+    if _INTERP:
+        s_all = sel + (a & 0) + (b & 0)  # broadcast to the common shape
+        r = s_all & 0
+        for k in tl.static_range(4):
+            s = (s_all >> (4 * k)) & 15
+            i = s & 7
+            byte = (tl.where(i < 4, a, b) >> ((i & 3) * 8)) & 0xFF
+            byte = tl.where(s >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
+            r = r | (byte << (8 * k))
+        return r
+    else:
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1
+        )
 
 
 @triton.jit
@@ -262,14 +267,14 @@ def _nvfp4_decode_word(w, tl0, tl1, th0, th1):
     if _INTERP:
         m = w & 0x77777777
         mh = (m >> 16) & 0xFFFF
-        l0 = _prmt(tl0, tl1, m)
-        h0 = _prmt(th0, th1, m)
-        l1 = _prmt(tl0, tl1, mh)
-        h1 = _prmt(th0, th1, mh)
+        l0 = prmt(tl0, tl1, m)
+        h0 = prmt(th0, th1, m)
+        l1 = prmt(tl0, tl1, mh)
+        h1 = prmt(th0, th1, mh)
         w4 = w << 4
-        h0 = h0 ^ (_prmt(w, w4, 0x1504) & -0x7F7F7F80)  # 0x80808080
-        h1 = h1 ^ (_prmt(w, w4, 0x3726) & -0x7F7F7F80)
-        p = (_prmt(l0, h0, 0x5140), _prmt(l0, h0, 0x7362), _prmt(l1, h1, 0x5140), _prmt(l1, h1, 0x7362))
+        h0 = h0 ^ (prmt(w, w4, 0x1504) & -0x7F7F7F80)  # 0x80808080
+        h1 = h1 ^ (prmt(w, w4, 0x3726) & -0x7F7F7F80)
+        p = (prmt(l0, h0, 0x5140), prmt(l0, h0, 0x7362), prmt(l1, h1, 0x5140), prmt(l1, h1, 0x7362))
     else:
         p = tl.inline_asm_elementwise(
             "{ .reg .b32 m, mh, l0, h0, l1, h1, w4, s0, s1;"

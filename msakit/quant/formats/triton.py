@@ -70,6 +70,7 @@ from msakit.ops.dispatch import interpret_mode
 from msakit.ops.packed_gemm.triton import e2m1_to_f32 as _e2m1_to_f32  # the packed GEMMs decode the same way
 from msakit.ops.packed_gemm.triton import e4m3_bits_to_f32 as _e4m3_to_f32
 from msakit.ops.packed_gemm.triton import e8m0_to_f32 as _e8m0_to_f32
+from msakit.ops.packed_gemm.triton import prmt as _prmt  # one definition of the prmt twin
 
 __all__ = [
     "mxfp8_quantize_triton",
@@ -245,27 +246,6 @@ def _e4m3_dec1(c):
             "{ .reg .b16 lo, hi; .reg .b32 p; cvt.u16.u32 lo, $1; cvt.rn.f16x2.e4m3x2 p, lo;"
             " mov.b32 {lo, hi}, p; cvt.f32.f16 $0, lo; }",
             "=f,r", [c], dtype=tl.float32, is_pure=True, pack=1,
-        )
-
-
-@triton.jit
-def _prmt(a, b, sel):
-    """PTX ``prmt.b32 d, a, b, sel`` (default mode): byte k of d is byte (sel >> 4k) & 7 of the
-    8-byte value b:a, or, when bit 3 of that selector nibble is set, that byte's top bit
-    replicated into all 8 bits.  Only the low 16 bits of sel are used."""
-    if _INTERP:
-        s_all = sel + (a & 0) + (b & 0)  # broadcast to the common shape
-        r = s_all & 0
-        for k in tl.static_range(4):
-            s = (s_all >> (4 * k)) & 15
-            i = s & 7
-            byte = (tl.where(i < 4, a, b) >> ((i & 3) * 8)) & 0xFF
-            byte = tl.where(s >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
-            r = r | (byte << (8 * k))
-        return r
-    else:
-        return tl.inline_asm_elementwise(
-            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1
         )
 
 
