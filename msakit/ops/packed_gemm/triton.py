@@ -362,16 +362,8 @@ def _nvfp4_grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split, kw_pe
     g, m0, m_end, ok = _group_tile(COUNTS, G, tl.program_id(0), BLOCK_M, BLOCK_G)
     if not ok:
         return
-    pid_k = tl.program_id(2)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    r_ok = rows < m_end
-    xrow = X + rows.to(tl.int64)[:, None] * sxm
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    wrow = W + g.to(tl.int64) * swg + n.to(tl.int64)[:, None] * swn
-    srow = S + g.to(tl.int64) * ssg + n.to(tl.int64)[:, None] * ssn
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    pid_k, rows, r_ok, xrow, n, n_ok, wrow, srow, k_lo, k_hi = _tile_operands(
+        X, W, S, g, m0, m_end, N, K, k_per_split, sxm, swg, swn, ssg, ssn, BLOCK_M, BLOCK_N)
     j_lo = pid_k * kw_per_split
     b_lo = pid_k * kb_per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -390,6 +382,25 @@ def _nvfp4_grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split, kw_pe
         tl.store(out, acc, mask=m)
     else:
         tl.store(out, acc.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _tile_operands(X, W, S, g, m0, m_end, N, K, k_per_split, sxm, swg, swn, ssg, ssn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's rows of group g from m0 (< m_end), its BLOCK_N output columns and its K split:
+    (pid_k, rows, row mask, x row pointers, columns, column mask, weight row pointers, scale row
+    pointers, k_lo, k_hi); W's and S's strides are in their own elements."""
+    pid_k = tl.program_id(2)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    r_ok = rows < m_end
+    xrow = X + rows.to(tl.int64)[:, None] * sxm
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    wrow = W + g.to(tl.int64) * swg + n.to(tl.int64)[:, None] * swn
+    srow = S + g.to(tl.int64) * ssg + n.to(tl.int64)[:, None] * ssn
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    return pid_k, rows, r_ok, xrow, n, n_ok, wrow, srow, k_lo, k_hi
 
 
 @triton.jit
@@ -415,16 +426,8 @@ def _grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split,
     g, m0, m_end, ok = _group_tile(COUNTS, G, tl.program_id(0), BLOCK_M, BLOCK_G)
     if not ok:
         return
-    pid_k = tl.program_id(2)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    r_ok = rows < m_end
-    xrow = X + rows.to(tl.int64)[:, None] * sxm
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    wrow = W + g.to(tl.int64) * swg + n.to(tl.int64)[:, None] * swn
-    srow = S + g.to(tl.int64) * ssg + n.to(tl.int64)[:, None] * ssn
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    pid_k, rows, r_ok, xrow, n, n_ok, wrow, srow, k_lo, k_hi = _tile_operands(
+        X, W, S, g, m0, m_end, N, K, k_per_split, sxm, swg, swn, ssg, ssn, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FMT == 0:
         gs = tl.load(GS + g)
