@@ -318,13 +318,19 @@ def ab_rows(ws: dict, N: int, K: int, A: int, t: int, sweep: bool) -> dict:
     return row
 
 
-def decode_ab(args) -> int:
+def device_header() -> tuple[dict, float, float | None]:
+    """(env_info, a device-to-device copy's GB/s measured now, the datasheet TB/s), printed."""
     torch.backends.cuda.matmul.allow_tf32 = False
     info = env_info()
     ceiling = copy_gbs()
     name = info["gpu"] or ""
     sheet = next((v for k, v in DATASHEET_TBS.items() if k in name), None)
     print(f"{name}: device-to-device copy {ceiling:.0f} GB/s (datasheet {sheet} TB/s)")
+    return info, ceiling, sheet
+
+
+def decode_ab(args) -> int:
+    info, ceiling, sheet = device_header()
     rows, exact = [], {}
     for proj, (N, K) in EXPERT_PROJ.items():
         ws = experts(N, K, E)
@@ -380,12 +386,7 @@ def main(argv=None) -> int:
         return 2
     if args.decode_ab:
         return decode_ab(args)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    info = env_info()
-    ceiling = copy_gbs()
-    name = info["gpu"] or ""
-    sheet = next((v for k, v in DATASHEET_TBS.items() if k in name), None)
-    print(f"{name}: device-to-device copy {ceiling:.0f} GB/s (datasheet {sheet} TB/s)")
+    info, ceiling, sheet = device_header()
     ts = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16)
     big = (128,) if args.quick else (128, 1024)
     grouped = []
