@@ -38,7 +38,8 @@ and w2 [6144, 3072]; A = 4 or 32 active experts of 128, t = 1, 2, 4, 8, 16 token
   dequant   unpack_weight of the active experts, then grouped_mm
 Each captured call reads a different set of active experts (the sets rotate over the 128), so that
 the packed weights are not served from L2 (4 experts are 42 MB packed, L2 is 50 MB).  Also a small
-tile sweep of the new kernel at two shapes, and a bit-exact check of its dequantized weights (x =
+tile and split-K sweep of the new kernel (w13 at 32 experts, t = 1 and 16; both projections at
+4 experts, t = 1 and 4), and a bit-exact check of its dequantized weights (x =
 identity).  Writes packed_gemm_decode_ab_<gpu>.json.
 """
 
@@ -232,8 +233,11 @@ def old_grouped_mm(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, 
 
 
 def ab_sweep_configs() -> list[GemmConfig]:
-    return [GemmConfig(16, bn, bk, sp, 4, st) for bn, bk in ((128, 256), (64, 256), (128, 128))
-            for sp in (1, 2) for st in (3,)]
+    """The tiles and K splits timed at the sweep shapes (4 active experts: few programs, so the
+    split and the narrower tiles are the levers there)."""
+    return [GemmConfig(16, bn, bk, sp, 4, 3) for bn, bk, splits in ((128, 256, (1, 2)), (64, 256, (1, 2, 4)),
+                                                                    (32, 256, (1, 2)), (128, 128, (1, 2)))
+            for sp in splits]
 
 
 def exact_check(p: dict) -> bool:
@@ -338,7 +342,8 @@ def decode_ab(args) -> int:
         print(f"  {proj}: new kernel's weights bit-exact: {exact[proj]}")
         for A in AB_ACTIVE:
             for t in AB_TOKENS:
-                r = ab_rows(ws, N, K, A, t, sweep=proj == "w13" and A == 32 and t in (1, 16))
+                r = ab_rows(ws, N, K, A, t, sweep=(proj == "w13" and A == 32 and t in (1, 16))
+                                                       or (A == 4 and t in (1, 4)))
                 r["proj"] = proj
                 r["new_frac_copy"] = r["new_GBs_packed"] / ceiling
                 r["old_frac_copy"] = r["old_GBs_packed"] / ceiling

@@ -389,8 +389,10 @@ def _run_eval(model: Any, tokenizer: Any, cfg: EvalConfig, out: Path, *, progres
                     todo = [i for i in range(cfg.samples) if record_key(policy, task, length, depth, i) not in done]
                     if todo:
                         plan.append((policy, task, length, depth, todo))
+    # sample index outermost: a run cut short (a time limit, a kill) leaves every (task, length) cell
+    # with about the same number of samples, and --resume continues evenly
     ruler_plan = [(task, length, i, [p for p in cfg.policies if record_key(p, task, length, None, i) not in done])
-                  for task in cfg.ruler_tasks for length in cfg.lengths for i in range(cfg.ruler_samples)]
+                  for i in range(cfg.ruler_samples) for task in cfg.ruler_tasks for length in cfg.lengths]
     ruler_plan = [r for r in ruler_plan if r[-1]]
     ruler_gen = RulerGenerator(encode, RulerData.find(cfg.ruler_data), seed=cfg.seed) if ruler_plan else None
     total = sum(len(p[-1]) for p in plan) + sum(len(r[-1]) for r in ruler_plan)
