@@ -17,6 +17,7 @@ length, index)), so the merged folder equals one `msakit eval` run of the whole 
     python benchmarks/ruler_gpu.py --model DIR --out DIR [--tasks ruler] [--lengths 4096,...]
         [--policies dense,window0,oracle,msa] [--budget block128-top16] [--ruler-samples 25]
         [--workers 8] [--time-limit 480] [--loss-samples 4] [-- EXTRA msakit eval ARGS]
+    python benchmarks/ruler_gpu.py --merge FOLDER_OR_JSONL ... --out DIR   (merge earlier runs only)
 
 `--loss-samples N` adds one more worker for the loss-by-position task (N documents per length).
 Arguments after `--` go to every `msakit eval` (e.g. `--rope-scaling yarn:4`, `--ruler-data W...`).
@@ -61,13 +62,19 @@ def deal(tasks: list[str], workers: int) -> list[list[str]]:
     return groups
 
 
+def _results_file(p: Path) -> Path:
+    return p / RESULTS if p.is_dir() else p
+
+
 def merge(out: Path, shard_dirs: list[Path], cfg: EvalConfig) -> dict:
-    """The shards' records (deduplicated by key) in OUT/merged/, with its report."""
+    """The records of `shard_dirs` (folders holding a results.jsonl, or such files; deduplicated
+    by key, the first seen kept) in OUT/merged/, with its report."""
     merged = out / "merged"
     merged.mkdir(parents=True, exist_ok=True)
     seen, records = set(), []
     for d in shard_dirs:
-        for r in read_records(d / RESULTS) if (d / RESULTS).is_file() else []:
+        f = _results_file(d)
+        for r in read_records(f) if f.is_file() else []:
             if r.get("key") not in seen:
                 seen.add(r.get("key"))
                 records.append(r)
@@ -81,10 +88,33 @@ def merge(out: Path, shard_dirs: list[Path], cfg: EvalConfig) -> dict:
 
 def cfg_model_name(shard_dirs: list[Path]) -> str | None:
     for d in shard_dirs:
-        s = d / "settings.json"
+        s = (d if d.is_dir() else d.parent) / "settings.json"
         if s.is_file():
             return json.loads(s.read_text()).get("model")
     return None
+
+
+def merge_only(out: Path, paths: list[Path]) -> int:
+    """`--merge`: the grid and budget from the records themselves."""
+    missing = [str(p) for p in paths if not _results_file(p).is_file()]
+    if missing:
+        print(f"ruler_gpu.py: no results.jsonl at {', '.join(missing)}", file=sys.stderr)
+        return 2
+    recs = [r for p in paths for r in read_records(_results_file(p))]
+    budgets = sorted({r["budget"] for r in recs if r.get("budget")})
+    if len(budgets) != 1:
+        print(f"ruler_gpu.py: --merge needs records of one budget, found {budgets}", file=sys.stderr)
+        return 2
+    tasks = [t for t in dict.fromkeys(r["task"] for r in recs)]
+    cfg = EvalConfig(tasks=tasks, lengths=sorted({int(r["length"]) for r in recs}),
+                     policies=list(dict.fromkeys(r["policy"] for r in recs)), budget=Selection.parse(budgets[0]),
+                     samples=max([1] + [int(r["index"]) + 1 for r in recs if r["task"] not in RULER_TASKS]),
+                     ruler_samples=max([1] + [int(r["index"]) + 1 for r in recs if r["task"] in RULER_TASKS]))
+    info = merge(out, paths, cfg)
+    print(json.dumps(info))
+    table = out / "merged" / "table.md"
+    print(table.read_text(), end="")
+    return 0
 
 
 def stop(procs: dict[str, subprocess.Popen]) -> None:
@@ -106,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="the model folder (not with --merge)")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="PATH",
+                    help="only merge these result folders / results.jsonl files into OUT/merged (no evaluation)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tasks", default="ruler")
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
@@ -122,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.ruler_samples < 1 or args.loss_samples < 0 or args.time_limit <= 0:
         print("ruler_gpu.py: --ruler-samples >= 1, --loss-samples >= 0, --time-limit > 0", file=sys.stderr)
+        return 2
+    if args.merge:
+        return merge_only(args.out, args.merge)
+    if not args.model:
+        print("ruler_gpu.py: --model is required (or --merge)", file=sys.stderr)
         return 2
     tasks = [t for t in expand_tasks(args.tasks.split(",")) if t in RULER_TASKS]
     policies = args.policies.split(",")

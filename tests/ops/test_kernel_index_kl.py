@@ -101,6 +101,42 @@ def test_loss_and_grads_match_reference(case, given_lse):
     assert rel_err(out[2], ref[2]) < tol
 
 
+@pytest.mark.parametrize("case", ["partial_last_block", "T_lt_block", "T_eq_1", "batch2_groups4_empty_rows",
+                                  "odd_heads_per_group", "non_pow2_dims_and_block"])
+def test_over_all_matches_reference(case):
+    """over="all" runs the kernel on every causal block (`causal_blocks`): the KL over all causal
+    tokens, equal to the reference's dense definition; a given block_idx is ignored."""
+    B, T, Hq, G, D, Di, bs, K, _ = CASES[case]
+    (q, k, q_idx, k_idx), gen = make_inputs(B, T, Hq, G, D, Di, seed=7 + list(CASES).index(case))
+    ref = loss_and_grads(index_kl_loss_reference, q, k, q_idx, k_idx, block_idx=None, block_size=bs, over="all")
+    ignored = make_block_idx(B, G, T, K, bs, gen).to(DEV)
+    for bi in (None, ignored):
+        out = loss_and_grads(index_kl_loss, q, k, q_idx, k_idx, block_idx=bi, block_size=bs, over="all",
+                             backend="triton")
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-6)
+        tol = 1e-4 if T == 1 else 1e-5
+        assert rel_err(out[1], ref[1]) < tol
+        assert rel_err(out[2], ref[2]) < tol
+
+
+def test_over_all_causal_blocks_and_bound(monkeypatch):
+    """`causal_blocks` holds each row's causal blocks then -1; past ALL_KL_MAX_BYTES the chunked
+    path runs, with a warning, and gives the same loss."""
+    bi = index_kl_ops.causal_blocks(2, 3, 9, 4, DEV)
+    assert bi.shape == (2, 3, 9, 3) and bi.dtype == torch.int32
+    assert bi[1, 2, 3].tolist() == [0, -1, -1] and bi[0, 0, 4].tolist() == [0, 1, -1]
+    assert bi[0, 1, 8].tolist() == [0, 1, 2]
+    B, T, Hq, G, D, Di, bs, K, _ = CASES["partial_last_block"]
+    (q, k, q_idx, k_idx), _ = make_inputs(B, T, Hq, G, D, Di, seed=5)
+    ref = index_kl_loss_reference(q, k, q_idx, k_idx, None, block_size=bs, over="all")
+    monkeypatch.setattr(index_kl_ops, "ALL_KL_MAX_BYTES", 0)
+    from msakit.ops import dispatch
+    monkeypatch.setattr(dispatch, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="chunked PyTorch path"):
+        out = index_kl_loss(q, k, q_idx, k_idx, None, block_size=bs, over="all", backend="triton")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_selected_lse_matches_reference():
     B, T, Hq, G, D, bs, K = 2, 53, 6, 2, 16, 16, 3
     (q, k, _, _), gen = make_inputs(B, T, Hq, G, D, 16, seed=3)

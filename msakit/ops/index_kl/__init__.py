@@ -98,6 +98,27 @@ torch.library.register_autograd("msakit::index_kl_fwd", _backward, setup_context
 # --------------------------------------------------------------------------------------------
 
 
+# over="all" on the Triton kernel: the bound on its selection of every causal block (work list,
+# per-slot statistics); larger inputs run the chunked path
+ALL_KL_MAX_BYTES = 4 << 30
+
+
+def _all_kl_bytes(B: int, T: int, Hq: int, G: int, block_size: int) -> int:
+    nblk = -(-T // block_size)
+    # block_idx + the key-to-query work list (~3 int32 per entry) + fp32 partial LSEs per head and group
+    return B * T * nblk * 4 * (G * 4 + Hq + G)
+
+
+def causal_blocks(B: int, G: int, T: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """int32 [B, G, T, nblk]: row i selects blocks 0 .. i // block_size, then -1 (every causal
+    block: the selection that makes the selected-token KL the KL over all causal tokens)."""
+    nblk = -(-T // block_size)
+    ids = torch.arange(nblk, dtype=torch.int32, device=device)
+    own = torch.arange(T, device=device) // block_size
+    rows = torch.where(ids[None, :] <= own[:, None], ids[None, :], torch.full_like(ids[None, :], -1))
+    return rows.expand(B, G, T, nblk).contiguous()
+
+
 def index_kl_loss(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,8 +158,10 @@ def index_kl_loss(
     block_idx is then ignored and may be None, and lse must be None.
     backend: "auto" | "triton" | "reference" (see msakit.ops.dispatch).  The Triton path
     computes the loss and the gradients in the forward (one pass; fp32 atomics, so gradients
-    are not bitwise deterministic); float64 inputs always use the reference.  Off the kernel
-    (CPU, float64, over="all"), "auto" runs the chunked matmul path of `chunked.py`.
+    are not bitwise deterministic); float64 inputs always use the reference.  over="all" runs the
+    kernel on `causal_blocks` (every causal block selected) up to `ALL_KL_MAX_BYTES` of work list
+    and statistics, without packed documents; off the kernel (CPU, float64, larger or packed
+    over="all", warned) "auto" runs the chunked matmul path of `chunked.py`.
     validate=True checks block_idx's values as `sparse_attention` does (ids in range and causal;
     one host sync on CUDA).  A row selecting nothing adds 0 to the sum (its P and P_idx are empty).
     check_finite=True raises ValueError when q, k, q_idx, k_idx or lse holds NaN (lse may be -inf
@@ -179,8 +202,18 @@ def index_kl_loss(
             "ops.sparse_attention_with_kl shares the forward's, or pass lse=sparse_attention(..., return_lse=True)[1] "
             "(without a sparse forward, e.g. a dense warm-up, lse=None is the cheapest form)",
         )
-    if kernel and over == "all":  # the kernel takes a selection; the chunked path covers "all"
-        warn_once("index_kl_loss:all", "msakit: index_kl_loss(over='all') runs the chunked PyTorch path, not the Triton kernel")
+    if kernel and over == "all":
+        # the kernel on the selection of every causal block is the KL over all causal tokens; its
+        # work list and statistics grow as T * nblocks, so past ALL_KL_MAX_BYTES (and for packed
+        # documents) the chunked path runs instead
+        need = _all_kl_bytes(B, T, Hq, G, block_size)
+        if cu_seqlens is None and need <= ALL_KL_MAX_BYTES:
+            block_idx = causal_blocks(B, G, T, block_size, q.device)
+            over = "selected"
+        else:
+            why = "packed documents (cu_seqlens)" if cu_seqlens is not None else \
+                f"{need / 2**30:.1f} GiB of work list and statistics > ALL_KL_MAX_BYTES"
+            warn_once("index_kl_loss:all", f"msakit: index_kl_loss(over='all') runs the chunked PyTorch path ({why})")
     if kernel and over == "selected":
         if fp64:
             raise ValueError("backend='triton' for index_kl_loss supports fp16/bf16/fp32 inputs, not float64")
