@@ -3,7 +3,7 @@ and against msakit's Triton KV-outer forward, in the same run.
 
     OUT=out python tools/bench/sparse_sm90.py                       # check + bench (16K, 128K, 1M)
     OUT=out python tools/bench/sparse_sm90.py --T 16384 131072      # other lengths
-    OUT=out python tools/bench/sparse_sm90.py --both                # plain and overlap builds, one after the other
+    OUT=out python tools/bench/sparse_sm90.py --consumers 1         # another build (sm90.CONFIG's knobs)
     python tools/bench/sparse_sm90.py --compile-only DIR            # no GPU, no torch: PTX + cubin in DIR
     python tools/bench/sparse_sm90.py --union-stats                 # CPU: union size per tile (docs/kernels.md)
 
@@ -51,9 +51,8 @@ def compile_only(dump: str) -> dict:
             sys.modules[name] = mod
     from msakit.ops.sparse_attention.sm90.kernel import compile_check
 
-    return {f"consumers={c},stages={s},overlap={o}": compile_check(os.path.join(dump, f"c{c}s{s}{'o' if o else ''}"),
-                                                                consumers=c, stages=s, overlap=o)
-            for c, s, o in ((2, 2, False), (2, 3, False), (1, 2, False), (2, 2, True), (2, 3, True), (1, 2, True))}
+    return {f"consumers={c},stages={s}": compile_check(os.path.join(dump, f"c{c}s{s}"), consumers=c, stages=s)
+            for c, s in ((2, 2), (2, 3), (1, 2))}
 
 
 def union_stats(Ts=(16384, 131072, 1048576), queries=(4, 8, 16)) -> dict:
@@ -263,8 +262,6 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--consumers", type=int, default=None, help="consumer warpgroups (default: sm90.CONFIG)")
     ap.add_argument("--stages", type=int, default=None, help="pipeline stages (default: sm90.CONFIG)")
-    ap.add_argument("--overlap", action="store_true", help="the intra-warpgroup overlap build (CONFIG['overlap'])")
-    ap.add_argument("--both", action="store_true", help="checks and benchmark of the plain and the overlap build")
     args = ap.parse_args(argv)
     if args.compile_only:
         print(json.dumps(compile_only(args.compile_only), indent=1))
@@ -285,10 +282,7 @@ def main(argv=None) -> None:
         sm90.CONFIG["consumers"] = args.consumers
     if args.stages is not None:
         sm90.CONFIG["stages"] = args.stages
-    builds = [False, True] if args.both else [bool(args.overlap)]
-    for ov in builds:
-        sm90.CONFIG["overlap"] = ov
-        run_build(args, sm90)
+    run_build(args, sm90)
 
 
 def run_build(args, sm90) -> None:
@@ -299,7 +293,7 @@ def run_build(args, sm90) -> None:
     rep = {"versions": versions(), "dsl_available": sm90.dsl_available(), "started": time.time()}
     print(json.dumps(rep["versions"]), flush=True)
     out_dir = Path(os.environ.get("OUT", "."))
-    tag = f"c{sm90.CONFIG['consumers']}s{sm90.CONFIG['stages']}{'o' if sm90.CONFIG['overlap'] else ''}"
+    tag = f"c{sm90.CONFIG['consumers']}s{sm90.CONFIG['stages']}"
     path = out_dir / f"sparse_sm90_{rep['versions']['gpu'].replace(' ', '_')}_{tag}.json"
 
     def save():

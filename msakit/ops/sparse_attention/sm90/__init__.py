@@ -29,9 +29,8 @@ from .worklist import tile_count, union_worklist, union_worklist_reference, work
 __all__ = ["dsl_available", "unsupported_reason", "sparse_attention_fwd_sm90", "union_worklist",
            "union_worklist_reference", "worklist_from_union_plan", "tile_count", "queries_per_tile", "CONFIG"]
 
-# consumer warpgroups (tiles of 4 * consumers queries), pipeline stages, and the intra-warpgroup
-# overlap of one entry's softmax with the MMAs (`kernel.SparseFwdSm90`'s overlap; off until measured)
-CONFIG = {"consumers": 2, "stages": 2, "overlap": False}
+# consumer warpgroups (tiles of 4 * consumers queries) and pipeline stages of `kernel.SparseFwdSm90`
+CONFIG = {"consumers": 2, "stages": 2}
 
 
 def queries_per_tile() -> int:
@@ -88,14 +87,12 @@ def _launch(q, k, v, o, lse, work, count, scale: float) -> None:
 
     from .kernel import SparseFwdSm90
 
-    # the kernel's debug tensor (mDbg) is never touched by a non-debug build: lse stands in
-    args = [_to_cute(t, 16) for t in (q, k, v, o)] + [_to_cute(t, 4) for t in (lse, work, count, lse)]
+    args = [_to_cute(t, 16) for t in (q, k, v, o)] + [_to_cute(t, 4) for t in (lse, work, count)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    key = (CONFIG["consumers"], CONFIG["stages"], bool(CONFIG.get("overlap", False)), q.device.index)
+    key = (CONFIG["consumers"], CONFIG["stages"], q.device.index)
     fn = _compiled.get(key)
     if fn is None:
-        fn = _compiled[key] = cute.compile(SparseFwdSm90(CONFIG["consumers"], CONFIG["stages"],
-                                                         overlap=bool(CONFIG.get("overlap", False))), *args,
+        fn = _compiled[key] = cute.compile(SparseFwdSm90(CONFIG["consumers"], CONFIG["stages"]), *args,
                                            cutlass.Float32(scale), stream)
     fn(*args, cutlass.Float32(scale), stream)
 

@@ -7,30 +7,31 @@ names in module globals).  Layouts (bf16 unless stated):
     work   int32 [B, G, ntiles, cap], count int32 [B, G, ntiles]   (`worklist.union_worklist`)
 
 One CTA per (tile of QUERIES consecutive queries, kv group g, batch b); its 16 * QUERIES rows are
-(query, head) pairs, row = query-in-tile * HPG + head-in-group.  Three warpgroups:
+(query, head) pairs, row = query-in-tile * HPG + head-in-group.  1 + CONSUMERS warpgroups:
 
 - warpgroup 0, the producer: gives registers back (setmaxnreg) and its warp 0 loads, for each
   entry of the tile's work list, the K block then the V block (128 tokens x D) by TMA into a
   STAGES-deep ring of 128-byte-swizzled shared-memory buffers, each completing an mbarrier by
   transaction bytes (`cutlass.pipeline.PipelineTmaAsync`, one pipeline for K and one for V);
 - warpgroups 1 .. CONSUMERS: take registers; warpgroup w owns rows 64 (w - 1) .. 64 w - 1 (4
-  queries x 16 heads).  Q is read once from global memory into the registers of the first MMA's A
-  operand.  Per block: S = Q K^T (wgmma, A from registers, B from shared memory, fp32), the
-  per-row mask (a row whose query did not select the block -> -inf; the causal mask j <= i only on
-  blocks at or past the tile's own block), online softmax in registers (exp2, one row max and sum
-  per row, reduced over the 4 lanes that share a row), P to bf16 in the registers of the second
-  MMA's A operand, O += P V (wgmma, V^T read as an MN-major view of the same buffer).
+  queries x 16 heads).  Q is read once from global memory into the warpgroup's own 128-byte-
+  swizzled shared tile, the A operand of S = Q K^T (wgmma, A and B from shared memory, fp32).
+  Per work entry: S = Q K^T, the per-row mask (a row whose query did not select the block ->
+  -inf; the causal mask j <= i only on blocks at or past the tile's own block), online softmax in
+  registers (exp2, one row max and sum per row, reduced over the 4 lanes that share a row), P to
+  bf16 in the registers of the second MMA's A operand, O += P V (wgmma, V^T read as an MN-major
+  view of the same buffer).
 - epilogue: O / rowsum (0 for a row with no key) to bf16 and lse = max * scale + log(sum)
   (natural log; -inf for a row with no key), written per (query, head) for queries < T.
 
-overlap=True (FlashAttention-3's intra-warpgroup overlap, one S register set): the first entry's S
-and softmax before the loop; per entry i with a next one: P_i to bf16, wait V_i and K_{i+1}, issue
-S_{i+1} = Q K_{i+1}^T into the S registers and O += P_i V_i, wait for S_{i+1} (release K_{i+1}),
-mask and softmax of entry i + 1 while P_i V_i runs, wait for it (release V_i), then O *= alpha_{i+1};
-the last entry's P V after the loop.  The same operations on the same values in the same order as
-the plain loop (O: P_i V_i added, then the rescale of entry i + 1), so the same results.  Measured
-on the compiler only: ptxas places a full wgmma wait before the softmax's first write to S (after
-the partial wait that completes S_{i+1}), so the softmax does not yet run under P V (see `_overlap_entry`).
+The consumer loop is FlashAttention-3's intra-warpgroup overlap with one S register set: the first
+entry's S and softmax before the loop; per entry i with a next one (`_overlap_entry`): P_i to
+bf16, wait V_i and K_{i+1}, issue S_{i+1} = Q K_{i+1}^T into the S registers and O += P_i V_i,
+wait for S_{i+1} (release K_{i+1}), mask and softmax of entry i + 1, wait for P_i V_i (release
+V_i), then O *= alpha_{i+1}; the last entry's P V after the loop.  Per entry the values are those
+of the sequential order (S, softmax and rescale, P V): O gets P_i V_i added, then the rescale of
+entry i + 1.  In the SASS ptxas places a full wgmma wait before the softmax's first write to S
+(after the partial wait that completes S_{i+1}), so the softmax does not run under P V.
 
 The wgmma's scale-d operand is the TiledMma's runtime ACCUMULATE field: set False for the first
 k-block of S (zero init) and True after; O is zeroed once and always accumulated.
@@ -70,18 +71,11 @@ class SparseFwdSm90:
     """The kernel of the module docstring; `consumers` consumer warpgroups (1 or 2: tiles of 4 or
     8 queries), `stages` buffers per pipeline."""
 
-    def __init__(self, consumers: int = 2, stages: int = 2, debug_tile: int = -1, overlap: bool = False):
+    def __init__(self, consumers: int = 2, stages: int = 2):
         if consumers not in (1, 2) or stages < 1:
             raise ValueError(f"consumers must be 1 or 2 and stages >= 1, got {consumers}, {stages}")
         self.consumers = consumers
         self.stages = stages
-        # debug_tile >= 0: for that tile (g = b = 0) the first consumer warpgroup writes, at its
-        # work entry 1, the K buffer it reads (mDbg[0]: 128 x 128) and the raw S (mDbg[1, :64])
-        self.debug_tile = debug_tile
-        # overlap: the S wgmma of entry i + 1 runs while the softmax of entry i does (module docstring)
-        self.overlap = bool(overlap)
-        if self.overlap and debug_tile >= 0:
-            raise ValueError("debug_tile is a build of the plain loop (overlap=False)")
         self.queries = consumers * WG_ROWS // HPG
         self.threads = 128 * (1 + consumers)
         self.producer_regs, self.consumer_regs = (40, 232) if consumers == 2 else (56, 240)
@@ -90,7 +84,7 @@ class SparseFwdSm90:
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mWork: cute.Tensor, mCount: cute.Tensor, mDbg: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+                 mWork: cute.Tensor, mCount: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         bf16 = cutlass.BFloat16
         mQ, mK, mV, mO = [_aligned_strides(t) for t in (mQ, mK, mV, mO)]
         # (B, T, G, D) -> (T, D, G, B): a block of one (g, b) is a (BLOCK, D) tile of the first two modes
@@ -116,7 +110,7 @@ class SparseFwdSm90:
         ntiles = (T + self.queries - 1) // self.queries
         buf_bytes = cute.cosize(s_layout) * 2
         smem = 2 * buf_bytes + cute.cosize(q_layout) * 2 + 2048  # K, V rings, Q tiles, mbarriers, alignment
-        self.kernel(mQ, tma_k, tK, tma_v, tV, mO, mLSE, mWork, mCount, mDbg, scale * LOG2E, scale, tiled_qk,
+        self.kernel(mQ, tma_k, tK, tma_v, tV, mO, mLSE, mWork, mCount, scale * LOG2E, scale, tiled_qk,
                     tiled_pv, s_layout, q_layout, tx_bytes).launch(
             grid=(ntiles, G, B), block=(self.threads, 1, 1), smem=smem, stream=stream, min_blocks_per_mp=1)
 
@@ -143,9 +137,10 @@ class SparseFwdSm90:
     def _overlap_entry(self, i: Int32, has_next: cutlass.Constexpr, tiled_qk: cute.TiledMma,
                        tiled_pv: cute.TiledMma, ops: tuple, mWork: cute.Tensor, b: Int32, g: Int32, tile: Int32,
                        own: Int32, wg: Int32, scale_log2: Float32) -> cute.TiledMma:
-        """Work entry i of the overlapped loop, its softmax done (P in fp32 in acc_S, O rescaled):
+        """Work entry i of the consumer loop, its softmax done (P in fp32 in acc_S, O rescaled):
         O += P V; with has_next, S of entry i + 1 into acc_S (issued before P V, waited after it is
-        issued) and its softmax while P V runs, then O's rescale.  Returns tiled_qk (`_issue_qk`)."""
+        issued) and its softmax between P V's issue and its wait, then O's rescale.  Returns
+        tiled_qk (`_issue_qk`)."""
         pipe_k, pipe_v, tSrQ, tSrK, tOrP, tOrP_acc, tOrV, acc_S, acc_O, cS, row_max, row_sum, row_q, alpha = ops
         tOrP_acc.store(acc_S.load().to(cutlass.BFloat16))
         # both stages are waited for before the first wgmma is issued: no branch (the mbarrier
@@ -224,7 +219,7 @@ class SparseFwdSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
                mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mCount: cute.Tensor,
-               mDbg: cute.Tensor, scale_log2: Float32, scale: Float32, tiled_qk: cute.TiledMma, tiled_pv: cute.TiledMma,
+               scale_log2: Float32, scale: Float32, tiled_qk: cute.TiledMma, tiled_pv: cute.TiledMma,
                s_layout: cute.ComposedLayout, q_layout: cute.ComposedLayout, tx_bytes: cutlass.Constexpr):
         bf16 = cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
@@ -312,69 +307,31 @@ class SparseFwdSm90:
                 row_q[r] = wg * (WG_ROWS // HPG) + cS[2 * r][0] // HPG
             acc_O.fill(0.0)
 
-            if cutlass.const_expr(not self.overlap):
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                for i in cutlass.range(n, unroll=1):
-                    e = mWork[b, g, tile, i]
-                    blk = e >> QBITS
-                    # ---- S = Q K^T
-                    pipe_k.consumer_wait(state)
-                    if cutlass.const_expr(self.debug_tile >= 0):
-                        if tile == self.debug_tile and g == 0 and b == 0 and i == 1 and wg == 0:
-                            for d in cutlass.range_constexpr(D):
-                                mDbg[0, tid, d] = sK[tid, d, state.index].to(Float32)
-                    warpgroup.fence()
-                    tiled_qk.set(warpgroup.Field.ACCUMULATE, False)
-                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                        cute.gemm(tiled_qk, acc_S, tSrQ[None, None, k, wg], tSrK[None, None, k, state.index], acc_S)
-                        tiled_qk.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    if cutlass.const_expr(self.debug_tile >= 0):
-                        if tile == self.debug_tile and g == 0 and b == 0 and i == 1 and wg == 0:
-                            for j in cutlass.range_constexpr(cute.size(acc_S)):
-                                mDbg[1, cS[j][0], cS[j][1]] = acc_S[j]
-                    pipe_k.consumer_release(state)
-                    # ---- mask, online softmax
-                    self._softmax(acc_S, acc_O, cS, row_max, row_sum, row_q, e, blk, own, tile, scale_log2)
-                    tOrP_acc.store(acc_S.load().to(bf16))
-                    # ---- O += P V
-                    pipe_v.consumer_wait(state)
-                    warpgroup.fence()
-                    tiled_pv.set(warpgroup.Field.ACCUMULATE, True)
-                    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                        cute.gemm(tiled_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, state.index], acc_O)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    pipe_v.consumer_release(state)
-                    state.advance()
-
-            else:
-                # FlashAttention-3's intra-warpgroup overlap with one S register set: entry i starts
-                # with its softmax done (P in fp32 in acc_S, O rescaled); P -> bf16, S of entry
-                # i + 1 issued into acc_S, P V of entry i issued, S of i + 1 waited, its softmax runs
-                # while P V of i does (O's rescale by alpha deferred until P V completed).  The last
-                # entry is peeled off the loop: no wgmma is issued in a branch that joins before its
-                # wait (ptxas serialises every wgmma of the kernel where one is), and P is written
-                # and read by its wgmma within one entry (no wgmma operand crosses a back edge)
-                tiled_pv.set(warpgroup.Field.ACCUMULATE, True)  # outside the branches: O always accumulates
-                alpha = cute.make_rmem_tensor((2,), Float32)
-                ops = (pipe_k, pipe_v, tSrQ, tSrK, tOrP, tOrP_acc, tOrV, acc_S, acc_O, cS, row_max, row_sum, row_q,
-                       alpha)
-                if n > 0:
-                    st0 = self._entry_state(Int32(0))
-                    pipe_k.consumer_wait(st0)
-                    tiled_qk = self._issue_qk(tiled_qk, acc_S, tSrQ, tSrK, wg, st0.index)
-                    warpgroup.wait_group(0)
-                    pipe_k.consumer_release(st0)
-                    e0 = mWork[b, g, tile, 0]
-                    self._softmax(acc_S, acc_O, cS, row_max, row_sum, row_q, e0, e0 >> QBITS, own, tile, scale_log2)
-                for i in cutlass.range(n - 1, unroll=1):  # entries 0 .. n - 2: each has a next one
-                    tiled_qk = self._overlap_entry(i, True, tiled_qk, tiled_pv, ops, mWork, b, g, tile, own, wg,
-                                                   scale_log2)
-                if n > 0:
-                    tiled_qk = self._overlap_entry(n - 1, False, tiled_qk, tiled_pv, ops, mWork, b, g, tile, own, wg,
-                                                   scale_log2)
+            # FlashAttention-3's intra-warpgroup overlap with one S register set (module docstring):
+            # entry i starts with its softmax done (P in fp32 in acc_S, O rescaled); P -> bf16, S of
+            # entry i + 1 issued into acc_S, P V of entry i issued, S of i + 1 waited, its softmax,
+            # P V of i waited, O's rescale by alpha.  The last entry is peeled off the loop: no
+            # wgmma is issued in a branch that joins before its wait (ptxas serialises every wgmma
+            # of the kernel where one is), and P is written and read by its wgmma within one entry
+            # (no wgmma operand crosses a back edge)
+            tiled_pv.set(warpgroup.Field.ACCUMULATE, True)  # outside the branches: O always accumulates
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            ops = (pipe_k, pipe_v, tSrQ, tSrK, tOrP, tOrP_acc, tOrV, acc_S, acc_O, cS, row_max, row_sum, row_q,
+                   alpha)
+            if n > 0:
+                st0 = self._entry_state(Int32(0))
+                pipe_k.consumer_wait(st0)
+                tiled_qk = self._issue_qk(tiled_qk, acc_S, tSrQ, tSrK, wg, st0.index)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(st0)
+                e0 = mWork[b, g, tile, 0]
+                self._softmax(acc_S, acc_O, cS, row_max, row_sum, row_q, e0, e0 >> QBITS, own, tile, scale_log2)
+            for i in cutlass.range(n - 1, unroll=1):  # entries 0 .. n - 2: each has a next one
+                tiled_qk = self._overlap_entry(i, True, tiled_qk, tiled_pv, ops, mWork, b, g, tile, own, wg,
+                                               scale_log2)
+            if n > 0:
+                tiled_qk = self._overlap_entry(n - 1, False, tiled_qk, tiled_pv, ops, mWork, b, g, tile, own, wg,
+                                               scale_log2)
 
             # ---- epilogue: O / sum, lse
             for r in cutlass.range_constexpr(2):
@@ -394,8 +351,7 @@ class SparseFwdSm90:
                         mLSE[b, h, t] = lse
 
 
-def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: int = 2, stages: int = 2,
-                  debug_tile: int = -1, overlap: bool = False) -> dict:
+def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: int = 2, stages: int = 2) -> dict:
     """Compile the kernel for `arch` against fake tensors (dynamic shapes and strides, as the host
     wrapper's from_dlpack tensors have): no GPU or torch needed.  With dump_dir, the PTX and cubin
     go there.  Returns {"seconds", "files": {name: bytes}}."""
@@ -411,12 +367,12 @@ def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: 
         return make_fake_tensor(dtype, shape, stride, assumed_align=16 if dtype is cutlass.BFloat16 else 4)
 
     bf16 = cutlass.BFloat16
-    args = [fake(bf16, 4) for _ in range(4)] + [fake(Float32, 3), fake(Int32, 4), fake(Int32, 3), fake(Float32, 3)]
+    args = [fake(bf16, 4) for _ in range(4)] + [fake(Float32, 3), fake(Int32, 4), fake(Int32, 3)]
     opts = f"--gpu-arch {arch}"
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     t0 = time.time()
-    cute.compile(SparseFwdSm90(consumers, stages, debug_tile, overlap), *args, Float32(0.0884), cuda.CUstream(0), options=opts)
+    cute.compile(SparseFwdSm90(consumers, stages), *args, Float32(0.0884), cuda.CUstream(0), options=opts)
     files = sorted(glob.glob(os.path.join(dump_dir, "*"))) if dump_dir else []
     return {"seconds": time.time() - t0, "files": {os.path.basename(f): os.path.getsize(f) for f in files}}
