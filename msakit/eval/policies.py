@@ -20,7 +20,8 @@ Policies (all pure functions of their inputs):
 - ``oracle``: the ``K`` blocks of largest true attention mass (`attention_block_mass`: the block
   sums of ``softmax(scale * q_h(i) . k(j))`` over ``j <= i``, averaged over the group's query
   heads), ranked by the one selection rule (`rank_blocks`: the layer's forced blocks kept, ties to
-  the lower block id).  Chunked over queries so a 32K context fits in memory.
+  the lower block id).  A whole sequence on the GPU uses the KL kernel's statistics pass for the
+  masses; otherwise chunked over queries so a 32K context fits in memory.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any, Callable
 import torch
 
 from msakit.nn.core import select
+from msakit.ops.dispatch import triton_available
+from msakit.ops.index_kl import block_attention_mass
 from msakit.ops.index_topk import Selection, attention_block_mass, query_positions, rank_blocks
 
 __all__ = [
@@ -42,6 +45,9 @@ __all__ = [
 
 Policy = Callable[[int, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", Any], torch.Tensor]
 POLICY_NAMES = ("msa", "window", "window0", "oracle")
+# the oracle of a whole sequence on the GPU runs `ops.index_kl.block_attention_mass` (the KL
+# kernel's statistics, B * T * nblocks * Hq fp32) up to this size, else query chunks in PyTorch
+ORACLE_KERNEL_MAX_BYTES = 4 << 30
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
@@ -89,18 +95,31 @@ def window_block_idx(
     return ids.view(1, 1, T, topk).expand(B, G, T, topk).contiguous()
 
 
+def _on_kernel(q: torch.Tensor) -> bool:
+    return q.is_cuda and triton_available()
+
+
 def oracle_block_idx(
     q: torch.Tensor, k: torch.Tensor, sel: Selection, *, softmax_scale: float | None = None,
     max_elements: int = 1 << 26,
 ) -> torch.Tensor:
     """Oracle selection: `rank_blocks` over `attention_block_mass` -> int32 [B, G, T, sel.topk]
-    (the queries are the last T of the Tk keys).  Queries are chunked so one chunk's scores hold
-    at most `max_elements` values (the memory bound: about 4 bytes times that, a few times over)."""
+    (the queries are the last T of the Tk keys).  A whole sequence (T == Tk) on the GPU takes its
+    masses from `msakit.ops.index_kl.block_attention_mass` (up to ORACLE_KERNEL_MAX_BYTES of its
+    statistics); otherwise queries are chunked so one chunk's scores hold at most `max_elements`
+    values (the memory bound: about 4 bytes times that, a few times over)."""
     B, T, Tk, Hq, G = _check_qk(q, k)
     if max_elements < 1:
         raise ValueError(f"max_elements must be >= 1, got {max_elements}")
     bs = sel.block_size
     pos = query_positions(T, Tk, q.device)
+    nblk = -(-Tk // bs)
+    if T == Tk and q.dtype != torch.float64 and _on_kernel(q) and B * T * nblk * Hq * 4 <= ORACLE_KERNEL_MAX_BYTES:
+        # a whole sequence on the GPU: the block masses from the KL kernel's statistics pass (q and
+        # k read once per block; the chunks below move B * Hq * T * Tk fp32 scores several times)
+        mass = block_attention_mass(q, k, block_size=bs, softmax_scale=softmax_scale)
+        return rank_blocks(mass, pos, block_size=bs, topk=sel.topk, local_blocks=sel.local_blocks,
+                           init_blocks=sel.init_blocks)
     out = torch.full((B, G, T, sel.topk), -1, dtype=torch.int32, device=q.device)
     C = max(1, min(T, max_elements // max(1, B * Hq * Tk)))
     for i0 in range(0, T, C):

@@ -162,3 +162,33 @@ def test_budget_parse():
     for bad in ("64x8", "block0-top8", "block64-top", "block-64-top8"):
         with pytest.raises(ValueError):
             Selection.parse(bad)
+
+
+def test_oracle_kernel_path_equals_chunked(monkeypatch):
+    """A whole sequence on the kernel path (forced here under the interpreter) selects what the
+    chunked PyTorch path selects."""
+    import functools
+
+    from msakit.eval import policies as pol
+    from msakit.ops.dispatch import interpret_mode, triton_available
+
+    if not (triton_available() and interpret_mode()):
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 50, 4, 16, generator=gen), torch.randn(1, 50, 2, 16, generator=gen)
+    sel = Selection(8, 3, local_blocks=1, init_blocks=1)
+    want = pol.oracle_block_idx(q, k, sel, softmax_scale=0.3)
+    monkeypatch.setattr(pol, "_on_kernel", lambda q: True)
+    calls = []
+
+    def mass(*a, **kw):
+        calls.append(1)
+        return pol_mass(*a, backend="triton", **kw)
+
+    pol_mass = functools.partial(pol.block_attention_mass)
+    monkeypatch.setattr(pol, "block_attention_mass", mass)
+    got = pol.oracle_block_idx(q, k, sel, softmax_scale=0.3)
+    assert calls and torch.equal(got, want)
+    monkeypatch.setattr(pol, "ORACLE_KERNEL_MAX_BYTES", 0)  # past the bound: the chunks again
+    calls.clear()
+    assert torch.equal(pol.oracle_block_idx(q, k, sel, softmax_scale=0.3), want) and not calls

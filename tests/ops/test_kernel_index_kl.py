@@ -318,3 +318,18 @@ def test_sm90_build_fits_without_spills():
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     for r in rows:
         assert r["spill_bytes"] == 0 and r["registers"] <= 255 and r["smem_bytes"] <= 227 * 1024, r
+
+
+@pytest.mark.parametrize("shape", [(1, 70, 4, 2, 32, 16), (2, 37, 6, 2, 16, 8), (1, 10, 4, 1, 16, 16),
+                                   (1, 61, 4, 2, 24, 24)])
+def test_block_attention_mass_matches_reference(shape):
+    """The kernel's statistics pass on every causal block gives the oracle's block masses."""
+    B, T, Hq, G, D, bs = shape
+    (q, k, _, _), _ = make_inputs(B, T, Hq, G, D, 16, seed=T)
+    out = index_kl_ops.block_attention_mass(q, k, block_size=bs, softmax_scale=0.2, backend="triton")
+    ref = index_kl_ops.block_attention_mass(q, k, block_size=bs, softmax_scale=0.2, backend="reference")
+    assert out.shape == (B, G, T, -(-T // bs)) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.sum(-1), torch.ones_like(out[..., 0]), rtol=1e-5, atol=1e-5)
+    own = torch.arange(T, device=out.device) // bs
+    assert (out[..., torch.arange(out.shape[-1], device=out.device)[None, :] > own[:, None]] == 0).all()

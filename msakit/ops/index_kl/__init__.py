@@ -13,6 +13,8 @@ from .chunked import index_kl_loss_chunked
 from .reference import index_kl_loss_reference, selected_lse_reference
 
 __all__ = [
+    "block_attention_mass",
+    "causal_blocks",
     "index_kl_loss",
     "index_kl_loss_reference",
     "selected_lse",
@@ -260,3 +262,38 @@ def selected_lse(
         with torch.no_grad():
             return selected_lse_triton(q.detach(), k.detach(), block_idx, block_size, scale, cu_seqlens=cu_seqlens)
     return selected_lse_reference(q, k, block_idx, block_size=block_size, softmax_scale=scale, cu_seqlens=cu_seqlens)
+
+
+def block_attention_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int = 128,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The true attention mass of every key block (the oracle's score), causal self-attention:
+    q [B, T, Hq, D], k [B, T, G, D] -> float32 [B, G, T, nblk], mass[b, r, i, c] = mean over the
+    heads h of group r of sum_{j in block c, j <= i} softmax_j(scale * q_h(i) . k_r(j)); blocks
+    after the query's own have mass 0.  `msakit.ops.index_topk.attention_block_mass` with
+    positions 0 .. T-1 defines it.
+
+    The Triton path runs `selected_lse`'s statistics pass on `causal_blocks` (per block and head
+    the log-sum-exp of the block's logits; P is never stored) and needs B * T * nblk * Hq * 4
+    bytes for them; off the kernel (CPU, float64, reference backend) the reference runs, which
+    holds [B, G, Hq // G, T, T] scores: call it on bounded T there."""
+    B, T, Hq, G, D = check_qkv(q, k, None)
+    check_positive_int("block_size", block_size)
+    scale = check_scale("softmax_scale", softmax_scale, 1.0 / math.sqrt(D))
+    fp64 = q.dtype == torch.float64
+    if use_triton("block_attention_mass", backend, q.device) and not fp64:
+        from .triton import block_lse
+
+        with torch.no_grad():
+            part = block_lse(q.detach(), k.detach(), causal_blocks(B, G, T, block_size, q.device), block_size, scale)
+            lse = torch.logsumexp(part, dim=3, keepdim=True)  # [B, G, T, 1, hpg]: every row sees token 0
+            return torch.exp(part - lse).mean(dim=4)
+    from ..index_topk.reference import attention_block_mass
+
+    pos = torch.arange(T, device=q.device).view(1, T)
+    return attention_block_mass(q, k, pos, block_size=block_size, softmax_scale=scale)

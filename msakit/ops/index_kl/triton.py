@@ -37,7 +37,7 @@ import triton.language as tl
 from ..dispatch import interpret_mode
 from ..k2q import build_k2q, k2q_from_keys
 
-__all__ = ["index_kl_fwd_triton", "selected_lse", "selected_lse_triton", "pick_config", "CONFIGS"]
+__all__ = ["block_lse", "index_kl_fwd_triton", "selected_lse", "selected_lse_triton", "pick_config", "CONFIGS"]
 
 LOG2E = 1.4426950408889634
 
@@ -509,6 +509,19 @@ def selected_lse(q, k, block_idx, block_size: int, scale: float, *, cu_seqlens=N
 
 
 selected_lse_triton = selected_lse
+
+
+def block_lse(q, k, block_idx, block_size: int, scale: float, config=None):
+    """The stats pass alone: part [B, G, T, K, Hq // G] fp32, part[b, r, i, s, h] = log sum over
+    the tokens j <= i of block block_idx[b, r, i, s] of exp(scale * q_{r*hpg+h}(i) . k_r(j))
+    (-inf for a -1 slot); `selected_lse` is its log-sum-exp over the slots.  No argument checks."""
+    B, T, Hq, D, G, K = _geometry(q, block_idx, None)
+    q, k = _last_dim_contig(q.detach()), _last_dim_contig(k.detach())
+    cfg = pick_config(q.device, Hq // G, config, q.dtype)
+    w, NB, b0, b1, varlen = _work(block_idx, None, block_size, cfg["QT"] * cfg["TPP"])
+    part_h, _ = _run_stats(q, k, None, None, w, NB, b0, b1, varlen, B, T, G, K, block_size, scale, 1.0, cfg,
+                           heads=True, idx=False)
+    return part_h
 
 
 def index_kl_fwd_triton(q, k, q_idx, k_idx, block_idx, lse, cu_seqlens, block_size: int, scale: float,
