@@ -71,6 +71,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--short-context", type=POS_INT, default=None, metavar="N",
                    help="also measure the validation loss over rows of N tokens before and after the run (stage "
                         "2's cost in short-context quality; the recipe's bar: at most +0.5%%)")
+    w.add_argument("--short-context-data", nargs="+", default=None, metavar="PATH",
+                   help="with --short-context: measure it on these files / folders (another corpus than the "
+                        "training data, e.g. English text; the default is the held-out validation files)")
     w.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the model's weights during conversion")
     w.add_argument("--max-tokens", type=POS_INT, default=None, metavar="N",
                    help="stop after the step that reads N tokens (batch x context per step; without --steps the "
@@ -108,6 +111,8 @@ def check_convert_options(args: argparse.Namespace) -> None:
         raise ValueError("--lora-alpha needs --lora RANK")
     if args.short_context is not None and args.short_context < 2:
         raise ValueError(f"--short-context must be at least 2 tokens, got {args.short_context}")
+    if args.short_context_data and args.short_context is None:
+        raise ValueError("--short-context-data needs --short-context N (the row length to measure)")
     if args.init_blocks is not None and args.topk is not None and args.init_blocks + 1 > args.topk:
         raise ValueError(f"--init-blocks {args.init_blocks} plus the query's own block exceed --topk {args.topk}")
 
@@ -127,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     result = convert_run(args.source, out, train=cfg, data=data, tokenizer=args.tokenizer,
                          dtype=args.dtype, index_dim=args.index_dim, block_size=args.block_size, topk=args.topk,
                          init_blocks=args.init_blocks, index_init=args.index_init, max_tokens=args.max_tokens,
-                         time_budget=args.time_budget, short_context=args.short_context, device=device, parallel=parallel, fsdp=args.fsdp,
+                         time_budget=args.time_budget, short_context=args.short_context,
+                         short_context_data=args.short_context_data, device=device, parallel=parallel, fsdp=args.fsdp,
                          activation_checkpointing=args.activation_checkpointing, cache_dir=args.cache_dir,
                          progress=not args.no_progress, ready=say_notes)
     if main_rank:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -29,8 +30,8 @@ from msakit.models import M3Config, M3ForCausalLM
 from msakit.models.convert import convert_dense_to_msa, is_converted, set_selection
 from msakit.models.sizes import available_memory, check_batch_fits, format_bytes
 from msakit.train import checkpoint as ckpt_mod
-from msakit.train.corpus import DEFAULT_LONG_MIN_TOKENS, DEFAULT_VAL_FRACTION
-from msakit.train.data import Batch, PackedRows, PreparedData, eval_batches, prepare_data
+from msakit.train.corpus import DEFAULT_LONG_MIN_TOKENS, DEFAULT_VAL_FRACTION, user_files
+from msakit.train.data import Batch, PackedRows, PreparedData, encode_files, eval_batches, prepare_data
 from msakit.train.folders import (MODEL_DIR, TRAIN_COMMANDS, check_context, check_new_out, check_vocab, folder_kind,
                                   load_model_folder, model_folder, new_run_dir, resume_dir, save_model_folder,
                                   tokenizer_beside)
@@ -325,7 +326,7 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
                 dtype: str = "float32", index_dim: int | None = None, block_size: int | None = None,
                 topk: int | None = None, init_blocks: int | None = None, index_init: str = "random",
                 max_tokens: int | None = None, time_budget: float | None = None, short_context: int | None = None,
-                device: torch.device | str = "cpu", parallel: Parallel | None = None, fsdp: bool = False,
+                short_context_data: Sequence[str | os.PathLike] | None = None, device: torch.device | str = "cpu", parallel: Parallel | None = None, fsdp: bool = False,
                 activation_checkpointing: bool = False, cache_dir: str | None = None, progress: bool = True,
                 log: Log = say, ready: Callable[[], None] | None = None) -> RunResult:
     """Convert the dense model in `source` (an msakit run / checkpoint folder or an HF model
@@ -343,8 +344,10 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
     `block_size` / `topk` / `init_blocks` then change its selection (`set_selection`), and
     `index_dim` or `index_init` "qk" are refused.  `train.lora_rank` > 0: the backbone trains
     through LoRA adapters, merged into OUT/model at the end.  `short_context` N: the validation
-    loss over rows of N tokens (the same held-out documents) is measured before and after
-    training and reported with its relative change (a "short_context" record in metrics.jsonl)."""
+    loss over rows of N tokens (the same held-out documents, or the files and folders of
+    `short_context_data`: another corpus, so that the check sees what training on this one costs
+    elsewhere) is measured before and after training and reported with its relative change (a
+    "short_context" record in metrics.jsonl)."""
     t0 = time.time()
     out = Path(out)
     main_rank = is_main(parallel)
@@ -362,6 +365,9 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
     check_folder_fits(folder, device, torch_dt.itemsize if train.train == "index" else TRAIN_BYTES_PER_PARAM)
     if short_context is not None and not 2 <= short_context <= data.context:
         raise ValueError(f"--short-context must be between 2 and --context {data.context}, got {short_context}")
+    if short_context_data and short_context is None:
+        raise ValueError("--short-context-data needs --short-context N (the row length to measure)")
+    short_files = user_files(short_context_data) if short_context_data else None  # missing paths fail here
     src = load_model_folder(folder, dtype=torch_dt)
     warmed = is_converted(src)
     if warmed:  # stage 2 (or a longer warm-up): the model's own index branches go on training
@@ -395,8 +401,13 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
                           activation_checkpointing=activation_checkpointing)
         if main_rank:
             tok.save(out)
-        short = None if short_context is None else eval_batches(
-            PackedRows(pd.val.stream, short_context, pd.val.pad_id), train.batch_size, train.eval_rows)
+        short = None
+        if short_context is not None:
+            stream = pd.val.stream if short_files is None else encode_files(
+                tok, short_files, max_tokens=short_context * train.eval_rows, cache_dir=cache_dir)
+            if len(stream) == 0:
+                raise ValueError(f"--short-context-data: no tokens in {', '.join(map(str, short_context_data))}")
+            short = eval_batches(PackedRows(stream, short_context, pd.val.pad_id), train.batch_size, train.eval_rows)
         short_before = short_losses(trainer, short)
         t_val = time.time()
         before_d = trainer.evaluate(mode="dense", recall_rows=0, compute_kl=False)["loss"]
@@ -425,6 +436,7 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
     say_(f"after conversion: validation loss dense {after_d:.3f}, sparse {after_s:.3f}")
     if short is not None:
         rec = short_context_record(trainer.step, short_context, short, short_before, short_losses(trainer, short))
+        rec["data"] = "validation files" if short_files is None else [str(p) for p in short_context_data]
         if main_rank:
             append_metrics(out, rec)
         say_(short_context_line(rec))
@@ -462,7 +474,9 @@ def short_context_line(rec: dict) -> str:
     """One line of a short-context record."""
     b, a, c = rec["before"], rec["after"], rec["change_pct"]
     verdict = "within" if rec["within_bar"] else "OVER"
-    return (f"short-context validation loss ({rec['context']} tokens): sparse {b['sparse']:.4f} -> {a['sparse']:.4f} "
+    data = rec.get("data", "validation files")
+    what = "validation loss" if data == "validation files" else f"loss on {', '.join(data)}"
+    return (f"short-context {what} ({rec['context']} tokens): sparse {b['sparse']:.4f} -> {a['sparse']:.4f} "
             f"({c['sparse']:+.2f}%, {verdict} the bar of +{rec['bar_pct']}%), dense {b['dense']:.4f} -> "
             f"{a['dense']:.4f} ({c['dense']:+.2f}%)")
 

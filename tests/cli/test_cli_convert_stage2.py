@@ -77,6 +77,26 @@ def test_stage2_starts_from_the_warmed_index_weights(env, warmed, kind, tmp_path
     assert (sel.init_blocks, sel.topk, sel.block_size) == (1, 3, 8)
 
 
+def test_stage2_short_context_on_another_corpus(env, warmed, tmp_path, capsys):
+    """--short-context-data measures the short-context loss on other files than the validation split."""
+    text = tmp_path / "english.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    run = tmp_path / "s2d"
+    assert main(["convert", str(warmed["msakit"]), "--train", "all", "--warmup-steps", "0", "--steps", "1",
+                 "--lr", "1e-2", "--short-context", "16", "--short-context-data", str(text), *_opts(env, run)]) == 0
+    out = capsys.readouterr().out
+    assert f"short-context loss on {text} (16 tokens)" in out
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    short = [r for r in recs if r["kind"] == "short_context"]
+    assert len(short) == 1 and short[0]["data"] == [str(text)] and short[0]["rows"] > 0
+    default = tmp_path / "s2v"
+    assert main(["convert", str(warmed["msakit"]), "--train", "all", "--warmup-steps", "0", "--steps", "1",
+                 "--lr", "1e-2", "--short-context", "16", *_opts(env, default)]) == 0
+    rec = [json.loads(x) for x in (default / "metrics.jsonl").read_text().splitlines()
+           if json.loads(x)["kind"] == "short_context"][0]
+    assert rec["data"] == "validation files" and rec["before"]["dense"] != short[0]["before"]["dense"]
+
+
 @pytest.mark.parametrize("kind", ["msakit", "qwen2"])
 def test_stage2_with_lora_saves_merged_weights_that_generate_and_eval_load(env, warmed, kind, tmp_path, capsys):
     src = _tensors(warmed[kind])
@@ -104,6 +124,8 @@ def test_stage2_with_lora_saves_merged_weights_that_generate_and_eval_load(env, 
     (["--train", "all", "--index-dim", "4"], "--index-dim"),
     (["--train", "all", "--index-init", "qk"], "--index-init"),
     (["--train", "all", "--short-context", "128"], "--short-context"),
+    (["--train", "all", "--short-context-data", "x.txt"], "--short-context-data"),
+    (["--train", "all", "--short-context", "16", "--short-context-data", "/no/such/file"], "/no/such/file"),
 ])
 def test_stage2_options_that_cannot_apply_exit_2_one_line(env, warmed, tmp_path, capsys, extra, match):
     run = tmp_path / "bad"
