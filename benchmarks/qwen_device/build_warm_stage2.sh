@@ -10,9 +10,10 @@ export PYTHONPATH=$HOME/site:$PWD
 t0=$(date +%s)
 timeout 170 python tools/qwen_checkpoint.py --work ~/qwork/downloads --out ~/qwork/qwen 2>&1 | grep -v "Loading weights" | tail -8 || exit 1
 echo "build done at $(( $(date +%s) - t0 ))s"
+python tools/essay_documents.py --out ~/qwork/essays   # another corpus for stage 2's short-context check
 timeout 250 python -m msakit convert ~/qwork/qwen --out ~/qwork/w128 --train index --index-init qk --init-blocks 1 \
   --kl-tokens all --block-size 128 --topk 16 --context 32768 --long-min-tokens 4096 --batch-size 1 \
-  --max-tokens 5000000 --eval-rows 2 --time-budget 200 --index-lr 1e-3 --device cuda --dtype bfloat16 \
+  --max-tokens 8000000 --eval-rows 2 --time-budget 240 --index-lr 1e-3 --device cuda --dtype bfloat16 \
   --no-progress --log-every 10 > $OUT/warm128.log 2>&1
 echo "warm-up rc $? at $(( $(date +%s) - t0 ))s"; grep -v "Loading weights" $OUT/warm128.log | tail -12
 cp ~/qwork/w128/metrics.jsonl $OUT/warm128_metrics.jsonl 2>/dev/null
@@ -20,7 +21,7 @@ left=$(( 560 - ($(date +%s) - t0) ))
 echo "stage 2 gets ${left}s"
 S2="python -m msakit convert $HOME/qwork/w128/model --train all --warmup-steps 0 --kl-coef 1 --lora 16 --lora-alpha 32 \
   --lr 1e-4 --index-lr 1e-3 --init-blocks 1 --batch-size 1 --dtype bfloat16 --activation-checkpointing \
-  --long-min-tokens 4096 --short-context 2048 --eval-rows 2 --device cuda --no-progress --log-every 10"
+  --long-min-tokens 4096 --short-context 2048 --short-context-data $HOME/qwork/essays --eval-rows 2 --device cuda --no-progress --log-every 10"
 timeout $left $S2 --context 32768 --max-tokens 3000000 --time-budget $(( left - 30 )) --out ~/qwork/s2 > $OUT/stage2.log 2>&1
 rc=$?
 if [ $rc -ne 0 ] && grep -q "out of memory\|OutOfMemory\|--batch-size" $OUT/stage2.log; then
