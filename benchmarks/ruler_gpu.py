@@ -172,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         groups.append(("loss", ["loss"], ["--samples", str(args.loss_samples)]))
     shards = args.out / "shards"
     shards.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    # expandable segments: many processes share the card, and a 32K prefill's transient blocks fragment it
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     dirs = [shards / name for name, _, _ in groups]
 
     def counts() -> dict[str, int]:
