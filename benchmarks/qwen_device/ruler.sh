@@ -1,18 +1,27 @@
-# RULER (13 tasks) + loss, 4K-32K, 2,048 keys: the warmed model under dense / window0 / oracle / msa,
-# and the stage-2 model under msa, in parallel processes; merged reports come back
+# RULER (13 tasks) + loss, 4K-32K, 2,048 keys, in parallel `msakit eval` processes (benchmarks/ruler_gpu.py):
+#   the warmed model: dense + msa on every task (N samples), oracle + window0 on the NIAH tasks (N / 2),
+#   loss under the four policies; the stage-2 model (if built): msa; then the merged reports come back.
+# A second call with the same LIM / N resumes every folder (ruler_gpu.py adds --resume by itself).
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD
 R=$HOME/qwork/ruler; mkdir -p $R
-LIM=${LIM:-470}; N=${N:-50}
-python benchmarks/ruler_gpu.py --model ~/qwork/w128/model --out $R/b128 --lengths 4096,8192,16384,32768 \
-  --policies dense,window0,oracle,msa --budget block128-top16 --ruler-samples $N --workers 9 --time-limit $LIM \
-  --loss-samples 4 > $OUT/ruler_b128.log 2>&1 &
+LIM=${LIM:-460}; N=${N:-50}
+NIAH=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery
+L=4096,8192,16384,32768
+python benchmarks/ruler_gpu.py --model ~/qwork/w128/model --out $R/b128 --lengths $L --policies dense,msa \
+  --budget block128-top16 --ruler-samples $N --workers 7 --time-limit $LIM > $OUT/ruler_b128.log 2>&1 &
+python benchmarks/ruler_gpu.py --model ~/qwork/w128/model --out $R/b128o --tasks $NIAH --lengths $L \
+  --policies oracle,window0 --budget block128-top16 --ruler-samples $(( N / 2 )) --workers 2 --time-limit $LIM \
+  --loss-samples 4 > $OUT/ruler_b128o.log 2>&1 &
 if [ -d ~/qwork/s2/model ]; then
-python benchmarks/ruler_gpu.py --model ~/qwork/s2/model --out $R/s2 --lengths 4096,8192,16384,32768 \
-  --policies msa --budget block128-top16 --ruler-samples $N --workers 3 --time-limit $LIM \
-  --loss-samples 4 > $OUT/ruler_s2.log 2>&1 &
+python benchmarks/ruler_gpu.py --model ~/qwork/s2/model --out $R/s2 --lengths $L --policies dense,msa \
+  --budget block128-top16 --ruler-samples $(( N / 2 )) --workers 3 --time-limit $LIM > $OUT/ruler_s2.log 2>&1 &
 fi
 sleep 60; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv
 wait
-for d in b128 s2; do [ -d $R/$d/merged ] && cp -r $R/$d/merged $OUT/${d}_merged && cp $R/$d/ruler_gpu.json $OUT/${d}_ruler_gpu.json; done
-grep -h "samples_per_s" $OUT/ruler_*.log | cut -c1-400
-head -c 6000 $OUT/b128_merged/table.md
+python benchmarks/ruler_gpu.py --merge $R/b128/merged $R/b128o/merged --out $R/b128all > /dev/null
+for d in b128all s2; do
+  [ -d $R/$d/merged ] && mkdir -p $OUT/$d && cp $R/$d/merged/results.jsonl $R/$d/merged/summary.json $R/$d/merged/*.png $OUT/$d/
+done
+cp $R/*/ruler_gpu.json $OUT/ 2>/dev/null
+grep -h "samples_per_s" $OUT/ruler_*.log | cut -c1-300
+grep -E "niah \||average \|" $R/b128all/merged/table.md | head -20
