@@ -22,6 +22,6 @@ python benchmarks/ruler_gpu.py --merge $R/b128/merged $R/b128o/merged --out $R/b
 for d in b128all s2; do
   [ -d $R/$d/merged ] && mkdir -p $OUT/$d && cp $R/$d/merged/results.jsonl $R/$d/merged/summary.json $R/$d/merged/*.png $OUT/$d/
 done
-cp $R/*/ruler_gpu.json $OUT/ 2>/dev/null
+for d in b128 b128o s2; do [ -f $R/$d/ruler_gpu.json ] && cp $R/$d/ruler_gpu.json $OUT/${d}_ruler_gpu.json; done
 grep -h "samples_per_s" $OUT/ruler_*.log | cut -c1-300
 grep -E "niah \||average \|" $R/b128all/merged/table.md | head -20
