@@ -500,25 +500,21 @@ def selected_lse(q, k, block_idx, block_size: int, scale: float, *, cu_seqlens=N
     partial LSEs (fp32, B*T*Hq*topk*4 bytes), then `_merge_kernel` combines the slots.
     """
     B, T, Hq, D, G, K = _geometry(q, block_idx, cu_seqlens)
-    q, k = _last_dim_contig(q.detach()), _last_dim_contig(k.detach())
-    cfg = pick_config(q.device, Hq // G, config, q.dtype)
-    w, NB, b0, b1, varlen = _work(block_idx, cu_seqlens, block_size, cfg["QT"] * cfg["TPP"])
-    part_h, _ = _run_stats(q, k, None, None, w, NB, b0, b1, varlen, B, T, G, K, block_size, scale, 1.0, cfg,
-                           heads=True, idx=False)
-    return _merge(part_h, B, G, T, K, Hq // G)
+    return _merge(block_lse(q, k, block_idx, block_size, scale, cu_seqlens=cu_seqlens, config=config),
+                  B, G, T, K, Hq // G)
 
 
 selected_lse_triton = selected_lse
 
 
-def block_lse(q, k, block_idx, block_size: int, scale: float, config=None):
-    """The stats pass alone: part [B, G, T, K, Hq // G] fp32, part[b, r, i, s, h] = log sum over
-    the tokens j <= i of block block_idx[b, r, i, s] of exp(scale * q_{r*hpg+h}(i) . k_r(j))
+def block_lse(q, k, block_idx, block_size: int, scale: float, *, cu_seqlens=None, config=None):
+    """The statistics pass alone: part [B, G, T, K, Hq // G] fp32, part[b, r, i, s, h] = log sum
+    over the tokens j <= i of block block_idx[b, r, i, s] of exp(scale * q_{r*hpg+h}(i) . k_r(j))
     (-inf for a -1 slot); `selected_lse` is its log-sum-exp over the slots.  No argument checks."""
-    B, T, Hq, D, G, K = _geometry(q, block_idx, None)
+    B, T, Hq, D, G, K = _geometry(q, block_idx, cu_seqlens)
     q, k = _last_dim_contig(q.detach()), _last_dim_contig(k.detach())
     cfg = pick_config(q.device, Hq // G, config, q.dtype)
-    w, NB, b0, b1, varlen = _work(block_idx, None, block_size, cfg["QT"] * cfg["TPP"])
+    w, NB, b0, b1, varlen = _work(block_idx, cu_seqlens, block_size, cfg["QT"] * cfg["TPP"])
     part_h, _ = _run_stats(q, k, None, None, w, NB, b0, b1, varlen, B, T, G, K, block_size, scale, 1.0, cfg,
                            heads=True, idx=False)
     return part_h

@@ -376,6 +376,12 @@ def _nvfp4_grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split, kw_pe
         acc = _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT, False, BLOCK_N, BLOCK_K,
                            EVEN_K, EVEN_N)
     acc = tl.trans(acc)
+    _store_tile(Y, acc, pid_k, rows, r_ok, n, n_ok, sys, sym, OUT_F32)
+
+
+@triton.jit
+def _store_tile(Y, acc, pid_k, rows, r_ok, n, n_ok, sys, sym, OUT_F32: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] (fp32) to split pid_k's slice of Y at (rows, n), in float32 or Y's dtype."""
     out = Y + pid_k.to(tl.int64) * sys + rows.to(tl.int64)[:, None] * sym + n[None, :]
     m = r_ok[:, None] & n_ok[None, :]
     if OUT_F32:
@@ -455,12 +461,7 @@ def _grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split,
             w = _round_to(c * _expand(e8m0_to_f32(sc), BLOCK_N, BLOCK_K // 32, 32), DT)
             x = _operand(tl.load(xrow + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0), DT)
             acc = _dot(x, w, acc, DT)
-    out = Y + pid_k.to(tl.int64) * sys + rows.to(tl.int64)[:, None] * sym + n[None, :]
-    m = r_ok[:, None] & n_ok[None, :]
-    if OUT_F32:
-        tl.store(out, acc, mask=m)
-    else:
-        tl.store(out, acc.to(Y.dtype.element_ty), mask=m)
+    _store_tile(Y, acc, pid_k, rows, r_ok, n, n_ok, sys, sym, OUT_F32)
 
 
 @triton.jit
