@@ -51,6 +51,16 @@ _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NVFP4, MXFP8 = 0, 1
 _FMT = {"nvfp4": NVFP4, "mxfp8": MXFP8}
 
+# the byte tables' packing: 8 values (f32) rounded to 16-bit pairs, then low bytes / high bytes
+# gathered into four words (`_nvfp4_tables`); {0} is the pair type, bf16x2 or f16x2
+_TABLE_ASM = ("{{ .reg .b32 p01, p23, p45, p67;"
+              " cvt.rn.{0}.f32 p01, $5, $4; cvt.rn.{0}.f32 p23, $7, $6;"
+              " cvt.rn.{0}.f32 p45, $9, $8; cvt.rn.{0}.f32 p67, $11, $10;"
+              " prmt.b32 $0, p01, p23, 0x6420; prmt.b32 $2, p01, p23, 0x7531;"
+              " prmt.b32 $1, p45, p67, 0x6420; prmt.b32 $3, p45, p67, 0x7531; }}")
+_TABLE_ASM_BF16 = tl.constexpr(_TABLE_ASM.format("bf16x2"))
+_TABLE_ASM_F16 = tl.constexpr(_TABLE_ASM.format("f16x2"))
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -222,22 +232,9 @@ def _nvfp4_tables(bs, gs, DT: tl.constexpr, FAST: tl.constexpr):
         if _INTERP:
             t = _tables_from_bits(_bits16(e0, DT), _bits16(e1, DT), _bits16(e2, DT), _bits16(e3, DT),
                                   _bits16(e4, DT), _bits16(e5, DT), _bits16(e6, DT), _bits16(e7, DT))
-        elif DT == 1:
-            t = tl.inline_asm_elementwise(
-                "{ .reg .b32 p01, p23, p45, p67;"
-                " cvt.rn.bf16x2.f32 p01, $5, $4; cvt.rn.bf16x2.f32 p23, $7, $6;"
-                " cvt.rn.bf16x2.f32 p45, $9, $8; cvt.rn.bf16x2.f32 p67, $11, $10;"
-                " prmt.b32 $0, p01, p23, 0x6420; prmt.b32 $2, p01, p23, 0x7531;"
-                " prmt.b32 $1, p45, p67, 0x6420; prmt.b32 $3, p45, p67, 0x7531; }",
-                "=r,=r,=r,=r,f,f,f,f,f,f,f,f", [e0, e1, e2, e3, e4, e5, e6, e7],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         else:
             t = tl.inline_asm_elementwise(
-                "{ .reg .b32 p01, p23, p45, p67;"
-                " cvt.rn.f16x2.f32 p01, $5, $4; cvt.rn.f16x2.f32 p23, $7, $6;"
-                " cvt.rn.f16x2.f32 p45, $9, $8; cvt.rn.f16x2.f32 p67, $11, $10;"
-                " prmt.b32 $0, p01, p23, 0x6420; prmt.b32 $2, p01, p23, 0x7531;"
-                " prmt.b32 $1, p45, p67, 0x6420; prmt.b32 $3, p45, p67, 0x7531; }",
+                _TABLE_ASM_BF16 if DT == 1 else _TABLE_ASM_F16,
                 "=r,=r,=r,=r,f,f,f,f,f,f,f,f", [e0, e1, e2, e3, e4, e5, e6, e7],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     return t
