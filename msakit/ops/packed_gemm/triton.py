@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..dispatch import interpret_mode
 
-__all__ = ["e2m1_to_f32", "prmt", "e4m3_bits_to_f32", "e8m0_to_f32", "GemmConfig", "grouped_config", "grouped_mm_triton",
+__all__ = ["e2m1_to_f32", "nvfp4_decode_word", "prmt", "e4m3_bits_to_f32", "e8m0_to_f32", "GemmConfig", "grouped_config", "grouped_mm_triton",
            "scaled_config", "scaled_mm_triton"]
 
 _INTERP = tl.constexpr(interpret_mode())
@@ -251,7 +251,7 @@ def _tables_from_bits(e0, e1, e2, e3, e4, e5, e6, e7):
 
 
 @triton.jit
-def _nvfp4_decode_word(w, tl0, tl1, th0, th1):
+def nvfp4_decode_word(w, tl0, tl1, th0, th1):
     """Eight NVFP4 codes (int32 word, code j in bits 4j..4j+3) and their block's tables ->
     (p0, p1, p2, p3) int32: p_i holds the 16-bit weights of codes 2i (low half) and 2i + 1.
 
@@ -311,7 +311,7 @@ def _nvfp4_tile(words, sc, gs, BN: tl.constexpr, NB: tl.constexpr, DT: tl.conste
     dequantized weight tile [BN, 16 * NB] in DT (column 8j + e: code e of word j)."""
     t0, t1, t2, t3 = _nvfp4_tables(sc, gs, DT, FAST)
     w3 = tl.reshape(words, [BN, NB, 2])
-    p0, p1, p2, p3 = _nvfp4_decode_word(w3, t0[:, :, None], t1[:, :, None], t2[:, :, None], t3[:, :, None])
+    p0, p1, p2, p3 = nvfp4_decode_word(w3, t0[:, :, None], t1[:, :, None], t2[:, :, None], t3[:, :, None])
     v0, v1 = _halves(p0, DT)
     v2, v3 = _halves(p1, DT)
     v4, v5 = _halves(p2, DT)

@@ -70,6 +70,7 @@ from msakit.ops.dispatch import interpret_mode
 from msakit.ops.packed_gemm.triton import e2m1_to_f32 as _e2m1_to_f32  # the packed GEMMs decode the same way
 from msakit.ops.packed_gemm.triton import e4m3_bits_to_f32 as _e4m3_to_f32
 from msakit.ops.packed_gemm.triton import e8m0_to_f32 as _e8m0_to_f32
+from msakit.ops.packed_gemm.triton import nvfp4_decode_word as _nvfp4_decode_word  # one byte-table decode
 from msakit.ops.packed_gemm.triton import prmt as _prmt  # one definition of the prmt twin
 
 __all__ = [
@@ -784,21 +785,10 @@ def _nvfp4_quant32(
 @triton.jit
 def _nvfp4_deq_words(p, l0, l1, h0, h1):
     """One packed word p (8 codes, element k in nibble k) and the table bytes (l0, l1: low
-    bytes of v_0..v_7; h0, h1: high bytes) -> [BR, 4] output words (16-bit pairs).
-    prmt(l0, l1, index nibbles) looks up 4 table bytes at once; the sign bit of element k is
-    the top bit of byte k // 2 of p << 4 (k even) or of p (k odd), spread by a sign-mode prmt
-    and flipped into the table value."""
-    q = p << 4
-    s0 = p & 0x7777
-    s1 = (p >> 16) & 0x7777
-    x0 = _prmt(l0, l1, s0)
-    y0 = _prmt(h0, h1, s0)
-    x1 = _prmt(l0, l1, s1)
-    y1 = _prmt(h0, h1, s1)
-    o0 = _prmt(x0, y0, 0x5140) ^ (_prmt(q, p, 0xC888) & _SIGN2)
-    o1 = _prmt(x0, y0, 0x7362) ^ (_prmt(q, p, 0xD999) & _SIGN2)
-    o2 = _prmt(x1, y1, 0x5140) ^ (_prmt(q, p, 0xEAAA) & _SIGN2)
-    o3 = _prmt(x1, y1, 0x7362) ^ (_prmt(q, p, 0xFBBB) & _SIGN2)
+    bytes of v_0..v_7; h0, h1: high bytes) -> [BR, 4] output words (16-bit pairs), by the packed
+    GEMM's decode (`msakit.ops.packed_gemm.triton.nvfp4_decode_word`: prmt lookups, the sign
+    flipped into the high byte)."""
+    o0, o1, o2, o3 = _nvfp4_decode_word(p, l0, l1, h0, h1)
     return tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [o0.shape[0], 4])
 
 
