@@ -260,8 +260,8 @@ def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str |
     folder `init`, or a fresh model of `preset` / `config` (a config.json or its folder) at the
     vocabulary of `tokenizer` (a tokenizer.json; default: one trained on the data at
     `data.vocab_size`).  The model is checked (context, size on `device`) before the data are
-    prepared (then `ready()` is called); a run that fails before its first checkpoint leaves
-    nothing behind."""
+    prepared (`ready()` is called once the run folder is held); a run that fails before its first
+    checkpoint leaves nothing behind."""
     t0 = time.time()
     out = Path(out)
     data = _with_context(data)
@@ -283,9 +283,9 @@ def train_run(out: Path, *, train: TrainConfig, data: DataOptions, preset: str |
         check_fits(config_params(cfg0), device)
     check_batch_fits(model.config if init else cfg0, train.batch_size // (parallel.dp if parallel else 1), data.context,
                      device, backward=True)
-    if ready is not None:
-        ready()
     with new_run_dir(out, "train") if main_rank else contextlib.nullcontext():
+        if ready is not None:  # once the folder is held: a refused run prints its one error line alone
+            ready()
         with rank0_first(parallel):  # rank 0 trains the tokenizer / fills the cache first
             pd = prepare(data, tokenizer=tok, cache_dir=cache_dir, log=log)
         tok = pd.tokenizer
@@ -334,8 +334,8 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
     blocks of `block_size`, `topk` per query, `init_blocks` forced; None: the model's or the
     defaults) and train it in the new run folder `out` by `train` (`train.train` "index": the
     index branches alone by the KL, backbone frozen; "all": every parameter), in weights of
-    `dtype` (DTYPES).  Everything is checked, and the model converted, before `ready()` is called
-    and the data are prepared.  Stops at `train.steps`, after `max_tokens` tokens or
+    `dtype` (DTYPES).  Everything is checked, and the model converted, before the run folder is held,
+    `ready()` is called and the data are prepared.  Stops at `train.steps`, after `max_tokens` tokens or
     `time_budget` seconds, and saves the converted model (weights + tokenizer) in OUT/model.
 
     A source that is already converted (`msakit.models.convert.is_converted`: a warmed model's
@@ -388,10 +388,10 @@ def convert_run(source: str | Path, out: Path, *, train: TrainConfig, data: Data
     if train.compile and not isinstance(model, M3ForCausalLM):
         raise ValueError("--compile compiles msakit's decoder layers; a converted HF model has none "
                          "(train it without --compile)")
-    if ready is not None:
-        ready()
     say_ = log if main_rank else _quiet
     with new_run_dir(out, "convert") if main_rank else contextlib.nullcontext():
+        if ready is not None:  # once the folder is held: a refused run prints its one error line alone
+            ready()
         with rank0_first(parallel):  # rank 0 fills the data cache first
             pd = prepare(data, tokenizer=tok, cache_dir=cache_dir, log=log)
         meta = {"kind": "convert", "data": data.to_dict(), "source": str(source), "dtype": dtype,
