@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from msakit.eval import EvalConfig  # noqa: E402
 from msakit.eval.report import write_report  # noqa: E402
 from msakit.eval.ruler import RULER_TASKS, expand_tasks  # noqa: E402
-from msakit.eval.runner import RESULTS, grid_of, parse_policy, read_records  # noqa: E402
+from msakit.eval.runner import RESULTS, TASKS, parse_policy, read_records  # noqa: E402
 from msakit.jsonl import append_jsonl  # noqa: E402
 from msakit.ops.index_topk import Selection  # noqa: E402
 
@@ -66,9 +66,23 @@ def _results_file(p: Path) -> Path:
     return p / RESULTS if p.is_dir() else p
 
 
-def merge(out: Path, shard_dirs: list[Path], cfg: EvalConfig) -> dict:
+def grid_config(records: list[dict]) -> EvalConfig:
+    """The evaluation grid of `records` (their tasks, lengths, policies, sample counts and their
+    one budget; ValueError for records of several budgets)."""
+    budgets = sorted({r["budget"] for r in records if r.get("budget")})
+    if len(budgets) != 1:
+        raise ValueError(f"the records must be of one budget, found {budgets}")
+    named = {r["task"] for r in records}
+    return EvalConfig(tasks=[t for t in TASKS if t in named],
+                      lengths=sorted({int(r["length"]) for r in records}),
+                      policies=list(dict.fromkeys(r["policy"] for r in records)), budget=Selection.parse(budgets[0]),
+                      samples=max([1] + [int(r["index"]) + 1 for r in records if r["task"] not in RULER_TASKS]),
+                      ruler_samples=max([1] + [int(r["index"]) + 1 for r in records if r["task"] in RULER_TASKS]))
+
+
+def merge(out: Path, shard_dirs: list[Path]) -> dict:
     """The records of `shard_dirs` (folders holding a results.jsonl, or such files; deduplicated
-    by key, the first seen kept) in OUT/merged/, with its report."""
+    by key, the first seen kept) in OUT/merged/, with its report (`grid_config`'s grid)."""
     merged = out / "merged"
     merged.mkdir(parents=True, exist_ok=True)
     seen, records = set(), []
@@ -82,7 +96,7 @@ def merge(out: Path, shard_dirs: list[Path], cfg: EvalConfig) -> dict:
     path.unlink(missing_ok=True)
     if records:
         append_jsonl(path, *records, sort_keys=True)
-    write_report(records, grid_of(records, cfg), merged, model_name=cfg_model_name(shard_dirs))
+        write_report(records, grid_config(records), merged, model_name=cfg_model_name(shard_dirs))
     return {"records": len(records), "folder": str(merged)}
 
 
@@ -100,20 +114,15 @@ def merge_only(out: Path, paths: list[Path]) -> int:
     if missing:
         print(f"ruler_gpu.py: no results.jsonl at {', '.join(missing)}", file=sys.stderr)
         return 2
-    recs = [r for p in paths for r in read_records(_results_file(p))]
-    budgets = sorted({r["budget"] for r in recs if r.get("budget")})
-    if len(budgets) != 1:
-        print(f"ruler_gpu.py: --merge needs records of one budget, found {budgets}", file=sys.stderr)
+    try:
+        info = merge(out, paths)
+    except ValueError as e:
+        print(f"ruler_gpu.py: --merge: {e}", file=sys.stderr)
         return 2
-    tasks = [t for t in dict.fromkeys(r["task"] for r in recs)]
-    cfg = EvalConfig(tasks=tasks, lengths=sorted({int(r["length"]) for r in recs}),
-                     policies=list(dict.fromkeys(r["policy"] for r in recs)), budget=Selection.parse(budgets[0]),
-                     samples=max([1] + [int(r["index"]) + 1 for r in recs if r["task"] not in RULER_TASKS]),
-                     ruler_samples=max([1] + [int(r["index"]) + 1 for r in recs if r["task"] in RULER_TASKS]))
-    info = merge(out, paths, cfg)
     print(json.dumps(info))
     table = out / "merged" / "table.md"
-    print(table.read_text(), end="")
+    if table.is_file():
+        print(table.read_text(), end="")
     return 0
 
 
@@ -160,12 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         print("ruler_gpu.py: --model is required (or --merge)", file=sys.stderr)
         return 2
-    tasks = [t for t in expand_tasks(args.tasks.split(",")) if t in RULER_TASKS]
-    policies = args.policies.split(",")
-    for p in policies:
-        parse_policy(p)
-    budget = Selection.parse(args.budget)
-    lengths = [int(n) for n in args.lengths.split(",")]
+    try:  # the arguments every worker gets, checked once here
+        tasks = [t for t in expand_tasks(args.tasks.split(",")) if t in RULER_TASKS]
+        for p in args.policies.split(","):
+            parse_policy(p)
+        Selection.parse(args.budget)
+        [int(n) for n in args.lengths.split(",")]
+    except ValueError as e:
+        print(f"ruler_gpu.py: {e}", file=sys.stderr)
+        return 2
+    if not tasks and not args.loss_samples:
+        print("ruler_gpu.py: --tasks names no RULER task and --loss-samples is 0: nothing to run", file=sys.stderr)
+        return 2
     groups = [(f"w{i:02d}", g, ["--ruler-samples", str(args.ruler_samples)])
               for i, g in enumerate(deal(tasks, args.workers))]
     if args.loss_samples:
@@ -214,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     after = counts()
     new = {name: after[name] - before[name] for name in after}
     codes = {name: p.returncode for name, p in procs.items()}
-    cfg = EvalConfig(tasks=[*tasks, *(["loss"] if args.loss_samples else [])], lengths=lengths, policies=policies,
-                     budget=budget, ruler_samples=args.ruler_samples, samples=max(1, args.loss_samples))
-    info = merge(args.out, dirs, cfg)
+    info = merge(args.out, dirs)
     for name, group, _ in groups:
         if codes[name] not in (0, None) and not cut:
             tail = (shards / f"{name}.log").read_text().splitlines()[-5:]
