@@ -11,9 +11,9 @@ t0=$(date +%s)
 timeout 170 python tools/qwen_checkpoint.py --work ~/qwork/downloads --out ~/qwork/qwen 2>&1 | grep -v "Loading weights" | tail -8 || exit 1
 echo "build done at $(( $(date +%s) - t0 ))s"
 python tools/essay_documents.py --out ~/qwork/essays   # another corpus for stage 2's short-context check
-timeout 250 python -m msakit convert ~/qwork/qwen --out ~/qwork/w128 --train index --index-init qk --init-blocks 1 \
+timeout 330 python -m msakit convert ~/qwork/qwen --out ~/qwork/w128 --train index --index-init qk --init-blocks 1 \
   --kl-tokens all --block-size 128 --topk 16 --context 32768 --long-min-tokens 4096 --batch-size 1 \
-  --max-tokens 8000000 --eval-rows 2 --time-budget 240 --index-lr 1e-3 --device cuda --dtype bfloat16 \
+  --max-tokens 10000000 --eval-rows 2 --time-budget 300 --index-lr 1e-3 --device cuda --dtype bfloat16 \
   --no-progress --log-every 10 > $OUT/warm128.log 2>&1
 echo "warm-up rc $? at $(( $(date +%s) - t0 ))s"; grep -v "Loading weights" $OUT/warm128.log | tail -12
 cp ~/qwork/w128/metrics.jsonl $OUT/warm128_metrics.jsonl 2>/dev/null
