@@ -238,7 +238,8 @@ def test_nvfp4_kernel_weights_bit_exact(dt):
 
 @needs_kernel
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
-def test_mxfp8_kernel_weights_bit_exact(dt):
+@pytest.mark.parametrize("even", [False, True])
+def test_mxfp8_kernel_weights_bit_exact(dt, even):
     """x = identity: y = the dequantized weight exactly.  Groups 0 and 1: every row holds all 254
     non-NaN E4M3 codes (zero, the subnormals 0x01-0x07 / 0x81-0x87, +-448) and two zeros; every
     E8M0 scale 0..255 occurs once per group: tiny ones (subnormal and zero results), 127, huge
@@ -246,7 +247,10 @@ def test_mxfp8_kernel_weights_bit_exact(dt):
     group 1.  Group 2: random codes with the NaN codes 0x7F / 0xFF.  Rows with no inf / NaN
     weight are compared bit for bit with `dequantize_reference`; all rows with the float64 GEMM
     of the dequantized weight, NaN for NaN (the identity's zeros turn an inf weight into NaN
-    outputs; the CPU's bfloat16 matmul would flush the subnormal weights)."""
+    outputs; the CPU's bfloat16 matmul would flush the subnormal weights).  even: 32 x 64 tiles
+    and two K splits (no K / N masks in the kernel); else the library's tiles (N = 32 < 128)."""
+    from msakit.ops.packed_gemm.triton import GemmConfig, grouped_mm_triton
+
     G, N, K = 3, 32, 256
     g = torch.Generator().manual_seed(11)
     codes = torch.stack([torch.randperm(256, generator=g) for _ in range(2 * N)]).reshape(2, N, K)
@@ -258,8 +262,11 @@ def test_mxfp8_kernel_weights_bit_exact(dt):
     scales = order.reshape(G, N, K // 32).to(torch.uint8)
     x = torch.eye(K, dtype=dt).repeat(G, 1)
     counts = torch.full((G,), K, dtype=torch.int64)
-    y = packed_grouped_mm(x.to(DEV), counts.to(DEV), codes.to(DEV), scales.to(DEV), None, fmt="mxfp8",
-                          backend="triton").cpu()
+    args = (x.to(DEV), counts.to(DEV), codes.to(DEV), scales.to(DEV), None)
+    if even:
+        y = grouped_mm_triton(*args, "mxfp8", GemmConfig(32, 32, 64, 2, 4, 2)).cpu()
+    else:
+        y = packed_grouped_mm(*args, fmt="mxfp8", backend="triton").cpu()
     wd = dequantize_reference(codes, scales, None, "mxfp8", dt)  # [G, N, K]
     finite = wd.isfinite().all(-1)  # [G, N]
     assert int(finite[0].sum()) >= 16 and not finite[0, -1] and not finite[2, :4].any()

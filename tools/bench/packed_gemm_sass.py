@@ -4,7 +4,8 @@
 
 old / new: the NVFP4 kernels (`_grouped_kernel` with FMT=0, the byte-table kernel); mxfp8: the
 MXFP8 W8A16 path (`_grouped_kernel` with FMT=1) at the library's decode tiles (16 x 64 x 256,
-`grouped_config` at <= 32 rows per group) and 16 x 128 x 256.  x is bfloat16 throughout.
+`grouped_config` at <= 32 rows per group) and 16 x 128 x 256, with EVEN (no K / N masks: the
+decode shapes) and without.  x is bfloat16 throughout.
 For each kernel and tile config: the innermost backward-branch loop that holds the MMA (HMMA /
 HGMMA), its instruction count by opcode, and the count per 32 weights (warp-instructions per
 32 weight elements = per-thread instructions per weight): loop instructions x warps x 32 /
@@ -86,8 +87,11 @@ def main(argv=None) -> int:
                               f"new_bn{bn}_bk{bk}_w{w}", "*i32"))
     if a.kernel == "mxfp8":
         for bn, bk, w in MXFP8_CONFIGS:
-            c = {"FMT": 1, "DT": 1, "OUT_F32": True, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 2}
-            rows.append(count(T._grouped_kernel, c, w, a.stages, bn, bk, a.dump, f"mxfp8_bn{bn}_bk{bk}_w{w}"))
+            for even in (True, False):
+                c = {"FMT": 1, "DT": 1, "OUT_F32": True, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 2,
+                     "EVEN": even}
+                rows.append(count(T._grouped_kernel, c, w, a.stages, bn, bk, a.dump,
+                                  f"mxfp8_bn{bn}_bk{bk}_w{w}{'_even' if even else ''}"))
     for r in rows:
         print(r)
     return 0
