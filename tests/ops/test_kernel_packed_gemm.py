@@ -10,9 +10,9 @@ import torch
 from naive import naive_packed_weight
 from tolerances import sum_tol
 
-from msakit.nn.moe import GroupedExperts, MoE
+from msakit.nn.moe import MoE
 from msakit.ops.dispatch import interpret_mode, triton_available
-from msakit.ops.packed_gemm import (dequantize_reference, grouped_mm_reference, mxfp8_scaled_mm, packed_grouped_mm,
+from msakit.ops.packed_gemm import (dequantize_reference, mxfp8_scaled_mm, packed_grouped_mm,
                                     packed_linear)
 from msakit.quant.formats import mxfp8_quantize
 from msakit.quant.linear import PackedExperts, PackedLinear, pack_weight, unpack_weight
@@ -234,3 +234,43 @@ def test_nvfp4_kernel_weights_bit_exact(dt):
                           backend="triton")
     want = dequantize_reference(codes, scales, gs, "nvfp4", dt).transpose(1, 2).reshape(G * K, N)
     assert torch.equal(y.cpu(), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("even", [False, True])
+def test_mxfp8_kernel_weights_bit_exact(dt, even):
+    """x = identity: y = the dequantized weight exactly.  Groups 0 and 1: every row holds all 254
+    non-NaN E4M3 codes (zero, the subnormals 0x01-0x07 / 0x81-0x87, +-448) and two zeros; every
+    E8M0 scale 0..255 occurs once per group: tiny ones (subnormal and zero results), 127, huge
+    ones (inf) and 255 (NaN), in order in group 0 (row 31 has 248..255), in a random order in
+    group 1.  Group 2: random codes with the NaN codes 0x7F / 0xFF.  Rows with no inf / NaN
+    weight are compared bit for bit with `dequantize_reference`; all rows with the float64 GEMM
+    of the dequantized weight, NaN for NaN (the identity's zeros turn an inf weight into NaN
+    outputs; the CPU's bfloat16 matmul would flush the subnormal weights).  even: 32 x 64 tiles
+    and two K splits (no K / N masks in the kernel); else the library's tiles (N = 32 < 128)."""
+    from msakit.ops.packed_gemm.triton import GemmConfig, grouped_mm_triton
+
+    G, N, K = 3, 32, 256
+    g = torch.Generator().manual_seed(11)
+    codes = torch.stack([torch.randperm(256, generator=g) for _ in range(2 * N)]).reshape(2, N, K)
+    codes[(codes & 0x7F) == 0x7F] = 0x00  # the NaN codes: in group 2
+    nan_group = torch.randint(0, 256, (1, N, K), generator=g)
+    nan_group[0, :4, :2] = torch.tensor([0x7F, 0xFF])
+    codes = torch.cat([codes, nan_group]).to(torch.uint8).view(torch.float8_e4m3fn)
+    order = torch.stack([torch.arange(256), torch.randperm(256, generator=g), torch.randint(110, 140, (256,), generator=g)])
+    scales = order.reshape(G, N, K // 32).to(torch.uint8)
+    x = torch.eye(K, dtype=dt).repeat(G, 1)
+    counts = torch.full((G,), K, dtype=torch.int64)
+    args = (x.to(DEV), counts.to(DEV), codes.to(DEV), scales.to(DEV), None)
+    if even:
+        y = grouped_mm_triton(*args, "mxfp8", GemmConfig(32, 32, 64, 2, 4, 2)).cpu()
+    else:
+        y = packed_grouped_mm(*args, fmt="mxfp8", backend="triton").cpu()
+    wd = dequantize_reference(codes, scales, None, "mxfp8", dt)  # [G, N, K]
+    finite = wd.isfinite().all(-1)  # [G, N]
+    assert int(finite[0].sum()) >= 16 and not finite[0, -1] and not finite[2, :4].any()
+    want, got = wd.transpose(1, 2), y.reshape(G, K, N)
+    for gi in range(G):
+        assert torch.equal(got[gi][:, finite[gi]], want[gi][:, finite[gi]])
+    torch.testing.assert_close(y.double(), expected(x, counts.tolist(), wd), rtol=0, atol=0, equal_nan=True)

@@ -1,7 +1,11 @@
 """Static SASS count of the packed grouped GEMM's K loop (no GPU: compiled for sm_90a offline).
 
-    python -m tools.bench.packed_gemm_sass [--kernel old|new|both] [--dump DIR]
+    python -m tools.bench.packed_gemm_sass [--kernel old|new|both|mxfp8] [--dump DIR]
 
+old / new: the NVFP4 kernels (`_grouped_kernel` with FMT=0, the byte-table kernel); mxfp8: the
+MXFP8 W8A16 path (`_grouped_kernel` with FMT=1) at the library's decode tiles (16 x 64 x 256,
+`grouped_config` at <= 32 rows per group) and 16 x 128 x 256, with EVEN (no K / N masks: the
+decode shapes) and without.  x is bfloat16 throughout.
 For each kernel and tile config: the innermost backward-branch loop that holds the MMA (HMMA /
 HGMMA), its instruction count by opcode, and the count per 32 weights (warp-instructions per
 32 weight elements = per-thread instructions per weight): loop instructions x warps x 32 /
@@ -57,11 +61,12 @@ def count(fn, consts: dict, warps: int, stages: int, bn: int, bk: int, dump: str
 
 # (BLOCK_N, BLOCK_K, warps); the library's decode default first
 NEW_CONFIGS = ((64, 256, 4), (128, 256, 4), (128, 128, 4))
+MXFP8_CONFIGS = ((64, 256, 4), (128, 256, 4))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", default="both", choices=("old", "new", "both"))
+    ap.add_argument("--kernel", default="both", choices=("old", "new", "both", "mxfp8"))
     ap.add_argument("--dump", default=None)
     ap.add_argument("--stages", type=int, default=3)
     a = ap.parse_args(argv)
@@ -80,6 +85,13 @@ def main(argv=None) -> int:
                  "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 128}
             rows.append(count(T._nvfp4_grouped_kernel, c, w, a.stages, bn, bk, a.dump,
                               f"new_bn{bn}_bk{bk}_w{w}", "*i32"))
+    if a.kernel == "mxfp8":
+        for bn, bk, w in MXFP8_CONFIGS:
+            for even in (True, False):
+                c = {"FMT": 1, "DT": 1, "OUT_F32": True, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 2,
+                     "EVEN": even}
+                rows.append(count(T._grouped_kernel, c, w, a.stages, bn, bk, a.dump,
+                                  f"mxfp8_bn{bn}_bk{bk}_w{w}{'_even' if even else ''}"))
     for r in rows:
         print(r)
     return 0

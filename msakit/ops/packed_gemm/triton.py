@@ -13,7 +13,9 @@ owns one BLOCK_M-row tile of one group, BLOCK_N output columns and one K split:
   tile).  Each code is decoded to its E2M1 magnitude with integer ops, times its block's E4M3
   scale (exact in float32), times the group's global scale (one float32 rounding), rounded to
   x's dtype: the `unpack_weight` value, bit for bit.
-* MXFP8 K step: E4M3 codes times 2^(E8M0 - 127) (exact), rounded to x's dtype.
+* MXFP8 K step: E4M3 codes times 2^(E8M0 - 127), rounded to x's dtype.  bfloat16 x
+  (`_mxfp8_tile`): the codes converted to bfloat16 four at a time (exact), then one
+  `mul.rn.bf16x2` by the scale in bfloat16: the single rounding the reference makes.
 * split-K (decode: a few groups of a few rows cannot fill the GPU otherwise) writes float32
   partials [S, M, N] that the launcher sums; without split the tile is stored in x's dtype.
 
@@ -323,6 +325,45 @@ def _nvfp4_tile(words, sc, gs, BN: tl.constexpr, NB: tl.constexpr, DT: tl.conste
 
 
 @triton.jit
+def e8m0_bf16_bits(b):
+    """E8M0 bytes (int32 0..255) -> the bfloat16 bits (int32 0..65535) of 2^(b - 127): b << 7,
+    with 0x40 added for b = 0 (the subnormal 2^-127) and b = 255 (0x7FC0, NaN)."""
+    return (b << 7) | tl.where(((b + 1) & 255) < 2, 0x40, 0)
+
+
+@triton.jit
+def _mxfp8_tile(c, sc, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr):
+    """E4M3 code bytes [BN, 32 * NB] (uint8) and E8M0 scale bytes [BN, NB] (int32) -> the weight
+    tile RN_DT(code * 2^(scale - 127)) [BN, 32 * NB] (float32 when interpreted).
+
+    bfloat16: per 4 codes (one 32-bit register) two ``cvt.rn.f16x2.e4m3x2``, four
+    ``cvt.f32.f16`` and two ``cvt.rn.bf16x2.f32`` give the codes' values in bfloat16 (exact: an
+    E4M3 value has at most 4 significant bits and lies in [2^-9, 448]; NaN stays NaN), then two
+    ``mul.rn.bf16x2`` by the scale 2^(scale - 127) in bfloat16 (exact too, 2^-127 a bfloat16
+    subnormal, 255 NaN): one rounding of the exact product, as the reference's (its float32
+    product is exact, down to 2^-136).  10 instructions per 4 weights, no range check.
+    float32 / float16: the float32 product rounded to x's dtype."""
+    if DT == 1:
+        s = _expand(e8m0_bf16_bits(sc), BN, NB, 32)
+        if _INTERP:
+            v = e4m3_bits_to_f32(c.to(tl.int32))
+            return _round_to(v * (s << 16).to(tl.float32, bitcast=True), DT)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 c01, c23, h0, h1, h2, h3; .reg .b32 p01, p23; .reg .f32 f0, f1, f2, f3;"
+                " mov.b32 {c01, c23}, $2;"
+                " cvt.rn.f16x2.e4m3x2 p01, c01; cvt.rn.f16x2.e4m3x2 p23, c23;"
+                " mov.b32 {h0, h1}, p01; mov.b32 {h2, h3}, p23;"
+                " cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.f32.f16 f2, h2; cvt.f32.f16 f3, h3;"
+                " cvt.rn.bf16x2.f32 p01, f1, f0; cvt.rn.bf16x2.f32 p23, f3, f2;"
+                " mul.rn.bf16x2 $0, p01, $3; mul.rn.bf16x2 $1, p23, $4; }",
+                "=r,=r,r,r,r", [c, s.to(tl.int16).to(tl.bfloat16, bitcast=True)], dtype=tl.bfloat16,
+                is_pure=True, pack=4)
+    else:
+        return _round_to(_e4m3(c) * _expand(e8m0_to_f32(sc), BN, NB, 32), DT)
+
+
+@triton.jit
 def _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT: tl.constexpr, FAST: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += dequant(w[:, k_lo:k_hi]) @ x[:, k_lo:k_hi].T (NVFP4 through the
@@ -425,7 +466,10 @@ def _group_tile(COUNTS, G, t, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
 def _grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split,
                     sxm, swg, swn, ssg, ssn, sys, sym,
                     FMT: tl.constexpr, DT: tl.constexpr, OUT_F32: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                    EVEN: tl.constexpr = False):
+    """FMT 0 NVFP4, 1 MXFP8.  EVEN (MXFP8): every K step is whole and every weight row exists, so
+    the weight and scale loads take no masks (fewer instructions and registers in the K loop)."""
     g, m0, m_end, ok = _group_tile(COUNTS, G, tl.program_id(0), BLOCK_M, BLOCK_G)
     if not ok:
         return
@@ -452,11 +496,17 @@ def _grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split,
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_hi
-            c = _e4m3(tl.load(wrow + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0))
             b = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            sc = tl.load(srow + b[None, :], mask=n_ok[:, None] & (b < k_hi // 32)[None, :], other=127).to(tl.int32)
-            w = _round_to(c * _expand(e8m0_to_f32(sc), BLOCK_N, BLOCK_K // 32, 32), DT)
-            x = _operand(tl.load(xrow + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0), DT)
+            if EVEN:
+                c = tl.load(wrow + k[None, :])
+                sc = tl.load(srow + b[None, :]).to(tl.int32)
+                w = _mxfp8_tile(c, sc, BLOCK_N, BLOCK_K // 32, DT)
+                x = _operand(tl.load(xrow + k[None, :], mask=r_ok[:, None], other=0.0), DT)
+            else:
+                c = tl.load(wrow + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                sc = tl.load(srow + b[None, :], mask=n_ok[:, None] & (b < k_hi // 32)[None, :], other=127)
+                w = _mxfp8_tile(c, sc.to(tl.int32), BLOCK_N, BLOCK_K // 32, DT)
+                x = _operand(tl.load(xrow + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0), DT)
             acc = _dot(x, w, acc, DT)
     _store_tile(Y, acc, pid_k, rows, r_ok, n, n_ok, sys, sym, OUT_F32)
 
@@ -593,7 +643,8 @@ def grouped_mm_triton(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tenso
             x, _u8(weight), _u8(scales), gs, counts, y, G, M, N, K, k_per_split,
             x.stride(0), weight.stride(0), weight.stride(1), scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
             FMT=_FMT[fmt], DT=_DT[x.dtype], OUT_F32=out_f32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
-            BLOCK_G=max(2, _pow2(G)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_G=max(2, _pow2(G)), EVEN=fmt == "mxfp8" and K % k_per_split == 0 and N % cfg.block_n == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if not out_f32:
         return y[0]
