@@ -54,7 +54,7 @@ def bwd_worklist_from_union(work: torch.Tensor, count: torch.Tensor, queries: in
     e = work.long()
     blk = e >> QBITS
     mask = e & ((1 << QBITS) - 1)
-    keys, mbs, masks = [], [], []
+    keys, masks = [], []
     for h in range(halves):
         m = (mask >> (MB_QUERIES * h)) & ((1 << MB_QUERIES) - 1)
         ok = valid & (m != 0)
