@@ -272,6 +272,11 @@ class SparseBwdSm90:
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((MB_ROWS, D)), Float32)
             cQ = thr_dq.partition_C(cute.make_identity_tensor((MB_ROWS, D)))  # (row, d)
 
+            key_b = cS[0][0]
+            row_b = cS[0][1]
+            dq_r = cQ[0][0]
+            dq_sw = dq_r % 8
+            dq_base = wg * DQ_HALF + dq_r * (D // 2) + cQ[0][1] % 8
             acc_dV.fill(0.0)
             acc_dK.fill(0.0)
             tiled_dkv.set(warpgroup.Field.ACCUMULATE, True)
@@ -298,24 +303,34 @@ class SparseBwdSm90:
                 warpgroup.commit_group()
                 # ---- P^T: the row's query selected the block and key <= query
                 warpgroup.wait_group(1)
-                for j in cutlass.range_constexpr(cute.size(acc_S)):
-                    key = cS[j][0]
-                    row = cS[j][1]
-                    qi = row // HPG
-                    ok = (((e >> qi) & 1) != 0) & (key0 + key <= mb * MB_QUERIES + qi)
-                    p = cute.math.exp2(acc_S[j] * scale_log2 - sL[row, s], fastmath=True)
-                    acc_S[j] = p if ok else Float32(0.0)
+                # fragment element j = c0 + 2 r + 4 v: key key_b + 8 r, row row_b + 8 v + c0, whose
+                # query-in-m-block is v // 2 (row_b % 8 + c0 < 8)
+                lim = mb * MB_QUERIES - key0 - key_b
+                for v in cutlass.range_constexpr(cute.size(acc_S) // 4):
+                    qi = v // 2
+                    sel = ((e >> qi) & 1) != 0
+                    for c0 in cutlass.range_constexpr(2):
+                        lse2 = sL[row_b + 8 * v + c0, s]
+                        for r in cutlass.range_constexpr(2):
+                            j = c0 + 2 * r + 4 * v
+                            ok = sel & (8 * r - qi <= lim)
+                            p = cute.math.exp2(acc_S[j] * scale_log2 - lse2, fastmath=True)
+                            acc_S[j] = p if ok else Float32(0.0)
                 tVrP_acc.store(acc_S.load().to(bf16))
                 # ---- dS^T = P^T (dP^T - delta)
                 warpgroup.wait_group(0)
-                for j in cutlass.range_constexpr(cute.size(acc_dP)):
-                    acc_dP[j] = acc_S[j] * (acc_dP[j] - sDl[cS[j][1], s])
+                for v in cutlass.range_constexpr(cute.size(acc_dP) // 4):
+                    for c0 in cutlass.range_constexpr(2):
+                        dl = sDl[row_b + 8 * v + c0, s]
+                        for r in cutlass.range_constexpr(2):
+                            j = c0 + 2 * r + 4 * v
+                            acc_dP[j] = acc_S[j] * (acc_dP[j] - dl)
                 tKrdS_acc.store(acc_dP.load().to(bf16))
                 # both warpgroups' dQ wgmma of the previous m-block have read sdS (each waited for its
                 # groups at the end of that m-block)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 for j in cutlass.range_constexpr(cute.size(acc_dP)):
-                    sdS[cS[j][1], cS[j][0], 0] = tKrdS_acc[j]
+                    sdS[row_b + 8 * (j // 4) + j % 2, key_b + 8 * ((j // 2) % 2), 0] = tKrdS_acc[j]
                 # ---- dV += P^T dO
                 warpgroup.fence()
                 for k in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
@@ -340,10 +355,13 @@ class SparseBwdSm90:
                 if tid == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce has read the buffer
                 cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
-                for j in cutlass.range_constexpr(cute.size(acc_dQ)):
-                    row = cQ[j][0]
-                    col = cQ[j][1] % (D // 2)
-                    sdQ[wg * DQ_HALF + row * (D // 2) + (col ^ ((row % 8) * 8))] = acc_dQ[j]
+                # element j = c0 + 2 r + 4 v: row dq_r + 8 r, column dq_c + 8 v + c0 (dq_c < 8): stored at
+                # row * 64 + (column ^ 8 (row % 8)) = dq_base + 512 r + 8 (v ^ (dq_r % 8)) + c0
+                for v in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
+                    vo = dq_base + 8 * (v ^ dq_sw)
+                    for r in cutlass.range_constexpr(2):
+                        for c0 in cutlass.range_constexpr(2):
+                            sdQ[vo + 512 * r + c0] = acc_dQ[c0 + 2 * r + 4 * v]
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
                 if tid == 0:
