@@ -8,11 +8,38 @@ pip install -q --no-index --no-deps --target ~/site .stage/wheels/*.whl 2>&1 | t
 cat ~/stage/g0? > ~/qwork/downloads/qwen2.5-coder-0.5b-instruct.gguf && rm -f ~/stage/g0?
 export PYTHONPATH=$HOME/site:$PWD
 t0=$(date +%s)
+# the Triton KL over all causal blocks at the warm-up's shape (24 layers of this a step), checked
+# beside the build; if it fails, the warm-up takes the KL over the selected tokens instead
+(timeout 120 python - > $OUT/kl_all_check.log 2>&1 <<'PY'
+import time, torch
+from msakit.ops.index_kl import index_kl_loss
+from msakit.ops.index_kl.reference import index_kl_loss_reference
+torch.manual_seed(0)
+for T, check in ((2048, True), (32768, False)):
+    q = torch.randn(1, T, 14, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, 2, 64, device="cuda", dtype=torch.bfloat16)
+    qi = torch.randn(1, T, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ki = torch.randn(1, T, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for i in range(3):
+        torch.cuda.synchronize(); t = time.perf_counter()
+        loss = index_kl_loss(q, k, qi, ki, None, block_size=128, over="all"); loss.backward()
+        torch.cuda.synchronize(); print(f"KL all T={T} call {i}: {time.perf_counter() - t:.4f} s, loss {loss.item():.5f}")
+    if check:
+        ref = index_kl_loss_reference(q.float(), k.float(), qi.detach().float(), ki.detach().float(), None,
+                                      block_size=128, over="all")
+        print(f"T={T} reference {ref.item():.5f}")
+        assert abs(ref.item() - loss.item()) <= 2e-2 * abs(ref.item()) + 1e-3
+print("peak GB", torch.cuda.max_memory_allocated() / 1e9)
+PY
+) &
+klpid=$!
 timeout 170 python tools/qwen_checkpoint.py --work ~/qwork/downloads --out ~/qwork/qwen 2>&1 | grep -v "Loading weights" | tail -8 || exit 1
 echo "build done at $(( $(date +%s) - t0 ))s"
 python tools/essay_documents.py --out ~/qwork/essays   # another corpus for stage 2's short-context check
+wait $klpid && KL=all || KL=selected
+echo "KL check: warm-up KL over $KL tokens"; cat $OUT/kl_all_check.log | tail -9
 timeout 330 python -m msakit convert ~/qwork/qwen --out ~/qwork/w128 --train index --index-init qk --init-blocks 1 \
-  --kl-tokens all --block-size 128 --topk 16 --context 32768 --long-min-tokens 4096 --batch-size 1 \
+  --kl-tokens $KL --block-size 128 --topk 16 --context 32768 --long-min-tokens 4096 --batch-size 1 \
   --max-tokens 10000000 --eval-rows 2 --time-budget 300 --index-lr 1e-3 --device cuda --dtype bfloat16 \
   --no-progress --log-every 10 > $OUT/warm128.log 2>&1
 echo "warm-up rc $? at $(( $(date +%s) - t0 ))s"; grep -v "Loading weights" $OUT/warm128.log | tail -12
