@@ -1,4 +1,5 @@
 # build the Qwen folder from the staged GGUF; the 2,048-key index warm-up at 32K rows (KL over all
+# END (default 560): seconds after the build starts by which stage 2 ends
 # tokens, q/k init); stage 2 (LoRA 16, LM + KL) from it with the 2K check
 export PYTHONUNBUFFERED=1
 mkdir -p ~/stage ~/site ~/qwork/downloads
@@ -44,7 +45,7 @@ timeout 330 python -m msakit convert ~/qwork/qwen --out ~/qwork/w128 --train ind
   --no-progress --log-every 10 > $OUT/warm128.log 2>&1
 echo "warm-up rc $? at $(( $(date +%s) - t0 ))s"; grep -v "Loading weights" $OUT/warm128.log | tail -12
 cp ~/qwork/w128/metrics.jsonl $OUT/warm128_metrics.jsonl 2>/dev/null
-left=$(( 560 - ($(date +%s) - t0) ))
+left=$(( ${END:-560} - ($(date +%s) - t0) ))
 echo "stage 2 gets ${left}s"
 S2="python -m msakit convert $HOME/qwork/w128/model --train all --warmup-steps 0 --kl-coef 1 --lora 16 --lora-alpha 32 \
   --lr 1e-4 --index-lr 1e-3 --init-blocks 1 --batch-size 1 --dtype bfloat16 --activation-checkpointing \
@@ -53,7 +54,7 @@ timeout $left $S2 --context 32768 --max-tokens 3000000 --time-budget $(( left - 
 rc=$?
 if [ $rc -ne 0 ] && grep -q "out of memory\|OutOfMemory\|--batch-size" $OUT/stage2.log; then
   echo "stage 2 at 32K failed (rc $rc): 16K rows"; rm -rf ~/qwork/s2
-  left=$(( 580 - ($(date +%s) - t0) ))
+  left=$(( ${END:-560} + 20 - ($(date +%s) - t0) ))
   timeout $left $S2 --context 16384 --max-tokens 3000000 --time-budget $(( left - 25 )) --out ~/qwork/s2 > $OUT/stage2_16k.log 2>&1
   rc=$?
 fi
