@@ -274,3 +274,60 @@ def test_mxfp8_kernel_weights_bit_exact(dt, even):
     for gi in range(G):
         assert torch.equal(got[gi][:, finite[gi]], want[gi][:, finite[gi]])
     torch.testing.assert_close(y.double(), expected(x, counts.tolist(), wd), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("even", [False, True])
+def test_mxfp8_f16_path_row_scaling_and_non_finite(even):
+    """bfloat16 x on the float16 path (scales within [MX_F16_LO, MX_F16_HI]): each row pre-scaled
+    by a power of two into float16.  Rows of huge, tiny and mixed magnitudes, a bfloat16
+    subnormal row, zeros, inf and NaN in x, NaN codes: equal to the float64 product of the
+    reference's weights within the float32-accumulation tolerance, NaN where it is NaN.  A value
+    below 2^-38 of its row's largest (row 5) is flushed by the float16 conversion: the
+    documented loss, which also shows that this path ran; with one scale out of the range the
+    program takes the bfloat16 dequantization and keeps it."""
+    from msakit.ops.packed_gemm.triton import MX_F16_HI, MX_F16_LO, GemmConfig, grouped_mm_triton
+
+    N, K = 40, 128
+    _, (w, s, _) = packed(1, N, K, "mxfp8", seed=9)
+    assert int(s.min()) >= MX_F16_LO.value and int(s.max()) <= MX_F16_HI.value
+    codes = w.view(torch.uint8).clone()
+    codes[0, 3, 5] = 0x7F  # a NaN weight: column 3 NaN in every row
+    codes[0, 7, :] = 0  # column 7: zero weights but for k = 1
+    codes[0, 7, 1] = 0x38  # 1.0
+    w = codes.view(torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, K, generator=g)
+    x[0] *= 1e30
+    x[1] *= 1e-30
+    x[2, ::2] *= 1e6
+    x[2, 1::2] *= 1e-6
+    x[3] = 0.0
+    x[4] *= 2.0**-130  # bfloat16 subnormals
+    x[5] = 0.0
+    x[5, 0], x[5, 1] = 2.0**10, 2.0**-40  # column 7 sees only x[5, 1]: 2^-40 * 2^(s - 127)
+    x[6, 9] = float("inf")
+    x[7, 2] = float("nan")
+    x = x.to(DEV, torch.bfloat16)
+    counts = torch.tensor([8], device=DEV)
+    cfg = GemmConfig(16, 8 if even else 16, 64, 2, 2, 2)  # even: N = 40 = 5 x 8, two K splits
+    y = grouped_mm_triton(x, counts, w, s, None, "mxfp8", cfg if even else None)
+    wd = dequantize_reference(w, s, None, "mxfp8", torch.bfloat16)
+    ref = expected(x, [8], wd)
+    fin = torch.isfinite(x.cpu()).all(1)
+    assert torch.isnan(y[:, 3].cpu()).all() and torch.isnan(y[7].cpu()).all()
+    assert torch.isinf(ref[6]).any() and torch.equal(torch.isnan(y[6].cpu()), torch.isnan(ref[6]))
+    assert torch.equal(y[6].cpu().isinf(), ref[6].isinf())
+    assert float(y[5, 7]) == 0.0 and float(ref[5, 7]) != 0.0  # the float16 path's flush
+    tol = sum_tol(torch.float32, K) + 2 * torch.finfo(torch.bfloat16).eps
+    keep = torch.ones(N, dtype=torch.bool)
+    keep[3] = keep[7] = False
+    for r in range(8):
+        if not fin[r]:
+            continue
+        got, want = y[r].cpu().double()[keep], ref[r][keep]
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * max(float(want.abs().max()), 1e-300))
+    s2 = s.clone()
+    s2[0, 7, 0] = MX_F16_HI.value + 1  # the program of column 7 and k = 1: out of the float16 range
+    y2 = grouped_mm_triton(x, counts, w, s2, None, "mxfp8", cfg if even else None)
+    assert float(y2[5, 7]) == float(expected(x, [8], dequantize_reference(w, s2, None, "mxfp8", torch.bfloat16))[5, 7])

@@ -3,9 +3,11 @@
     python -m tools.bench.packed_gemm_sass [--kernel old|new|both|mxfp8] [--dump DIR]
 
 old / new: the NVFP4 kernels (`_grouped_kernel` with FMT=0, the byte-table kernel); mxfp8: the
-MXFP8 W8A16 path (`_grouped_kernel` with FMT=1) at the library's decode tiles (16 x 64 x 256,
-`grouped_config` at <= 32 rows per group) and 16 x 128 x 256, with EVEN (no K / N masks: the
-decode shapes) and without.  x is bfloat16 throughout.
+MXFP8 W8A16 kernel for bfloat16 x (`_mxfp8_grouped_kernel`) at the library's decode tiles
+(16 x 64 x 256, 2 warps: `grouped_config` at <= 16 rows per group), 16 x 32 x 256 on one warp and
+16 x 128 x 256, with EVEN (no K / N masks: the decode shapes) and without; its float16 loop
+(the one with FFMA) and its bfloat16 fallback loop (HMUL2, 32-wide K steps) are counted apart.
+x is bfloat16 throughout.
 For each kernel and tile config: the innermost backward-branch loop that holds the MMA (HMMA /
 HGMMA), its instruction count by opcode, and the count per 32 weights (warp-instructions per
 32 weight elements = per-thread instructions per weight): loop instructions x warps x 32 /
@@ -31,12 +33,14 @@ def loops(sass: str) -> list[list[str]]:
 
 
 def count(fn, consts: dict, warps: int, stages: int, bn: int, bk: int, dump: str | None = None, tag: str = "",
-          w_type: str = "*u8") -> dict:
+          w_type: str = "*u8", loop_with: str | None = None) -> dict:
+    """loop_with: count the smallest MMA loop holding this opcode (prefix) instead of the smallest."""
     from tools.cuda_compile import compile_cuda, cuobjdump
 
     args = {n: "i32" for n in fn.arg_names}
-    args.update(X="*bf16", W=w_type, S="*u8", GS="*fp32", COUNTS="*i64", Y="*fp32")
-    for n in ("K", "k_per_split", "kw_per_split", "kb_per_split", "sxm", "swg", "swn", "ssg", "ssn", "sys", "sym", "N"):
+    args.update(X="*bf16", X16="*fp16", XE="*i32", W=w_type, S="*u8", GS="*fp32", COUNTS="*i64", Y="*fp32")
+    for n in ("K", "k_per_split", "kw_per_split", "kb_per_split", "sxm", "s16m", "swg", "swn", "ssg", "ssn", "sys",
+              "sym", "N"):
         if n in args:
             args[n] = 6144 * 16  # multiples of 16: the divisibility hint real shapes get
     ck = compile_cuda(fn, args, consts, num_warps=warps, num_stages=stages)
@@ -47,6 +51,8 @@ def count(fn, consts: dict, warps: int, stages: int, bn: int, bk: int, dump: str
         Path(dump, f"{tag}.ptx").write_text(ck.asm["ptx"])
         Path(dump, f"{tag}.ttgir").write_text(ck.asm["ttgir"])
     ls = loops(sass)
+    if loop_with:
+        ls = [b for b in ls if any(o.startswith(loop_with) for o in b)]
     reg = re.search(r"REG:(\d+)", res)
     row = {"tag": tag, "regs": int(reg.group(1)) if reg else -1, "shared": int(ck.metadata.shared),
            "spills": sass.count("STL")}
@@ -61,7 +67,7 @@ def count(fn, consts: dict, warps: int, stages: int, bn: int, bk: int, dump: str
 
 # (BLOCK_N, BLOCK_K, warps); the library's decode default first
 NEW_CONFIGS = ((64, 256, 4), (128, 256, 4), (128, 128, 4))
-MXFP8_CONFIGS = ((64, 256, 4), (128, 256, 4))
+MXFP8_CONFIGS = ((64, 256, 2), (32, 256, 1), (128, 256, 2))
 
 
 def main(argv=None) -> int:
@@ -88,10 +94,10 @@ def main(argv=None) -> int:
     if a.kernel == "mxfp8":
         for bn, bk, w in MXFP8_CONFIGS:
             for even in (True, False):
-                c = {"FMT": 1, "DT": 1, "OUT_F32": True, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 2,
-                     "EVEN": even}
-                rows.append(count(T._grouped_kernel, c, w, a.stages, bn, bk, a.dump,
-                                  f"mxfp8_bn{bn}_bk{bk}_w{w}{'_even' if even else ''}"))
+                c = {"OUT_F32": True, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_G": 2, "EVEN": even}
+                for loop, op, lk in (("f16", "FFMA", bk), ("bf16", "HMUL2", 32)):  # the fallback: 32-wide K steps
+                    rows.append(count(T._mxfp8_grouped_kernel, c, w, a.stages, bn, lk, a.dump,
+                                      f"mxfp8_{loop}_bn{bn}_bk{bk}_w{w}{'_even' if even else ''}", loop_with=op))
     for r in rows:
         print(r)
     return 0

@@ -5,8 +5,10 @@
     packed_linear(x, weight, scales, global_scale, fmt=)               one weight [N, ...]: x [..., K] -> [..., N]
     mxfp8_scaled_mm(x_codes, x_scales, weight, scales, out_dtype=)     MXFP8 x MXFP8 on FP8 tensor cores
 
-The weight is dequantized in registers into x's dtype (the values `unpack_weight` gives), so
-only the packed bytes are read: the decode regime (a few rows per weight) is bound by them.
+The weight is dequantized in registers into x's dtype (the values `unpack_weight` gives; MXFP8
+with bfloat16 x at decode sizes: the codes in float16 and the scales on the float32 accumulator,
+the exact product up to the accumulation, docs/packed.md), so only the packed bytes are read:
+the decode regime (a few rows per weight) is bound by them.
 Each op is a `torch.library` custom op (torch.compile sees one node, CUDA graphs capture its
 launch: the kernels take the counts on the device, no host sync).
 """

@@ -13,9 +13,10 @@ owns one BLOCK_M-row tile of one group, BLOCK_N output columns and one K split:
   tile).  Each code is decoded to its E2M1 magnitude with integer ops, times its block's E4M3
   scale (exact in float32), times the group's global scale (one float32 rounding), rounded to
   x's dtype: the `unpack_weight` value, bit for bit.
-* MXFP8 K step: E4M3 codes times 2^(E8M0 - 127), rounded to x's dtype.  bfloat16 x
-  (`_mxfp8_tile`): the codes converted to bfloat16 four at a time (exact), then one
-  `mul.rn.bf16x2` by the scale in bfloat16: the single rounding the reference makes.
+* MXFP8 K step (float32 / float16 x, and the fallback of `_mxfp8_grouped_kernel`): E4M3 codes
+  times 2^(E8M0 - 127), rounded to x's dtype.  bfloat16 (`_mxfp8_tile`): the codes converted
+  to bfloat16 four at a time (exact), then one `mul.rn.bf16x2` by the scale in bfloat16: the
+  single rounding the reference makes.
 * split-K (decode: a few groups of a few rows cannot fill the GPU otherwise) writes float32
   partials [S, M, N] that the launcher sums; without split the tile is stored in x's dtype.
 
@@ -25,6 +26,21 @@ The codes are read as int32 words; per 16-weight block a table of the 8 dequanti
 4 pairs of 16-bit weights by `prmt` lookups (15 instructions per 8 weights, inline PTX with a
 pure-`tl` twin under the interpreter).  Bit-exact with `reference.py`; docs/packed.md has the
 argument and the instruction counts.  The weight tile is the MMA's first operand (y.T = w @ x.T).
+
+`_mxfp8_grouped_kernel`: MXFP8 with bfloat16 x at <= 32 rows per tile, on float16 tensor cores
+(same tile slots and split-K).  `_x_f16_kernel` first writes x16 = RN_f16(x * 2^-e) per row, e
+chosen so that the row's largest finite |x| lies in [2^14, 2^15) (exact but for values below
+2^-38 of the row's largest; inf / NaN kept).  Per 32-wide K chunk the codes become float16 (two
+`cvt.rn.f16x2.e4m3x2` per 4 codes: exact, NaN kept), one float16 MMA of K = 32 (the weight tile
+the first operand, mma.sync at 2 warps) gives a float32 partial, and the partial times its
+column's scale 2^(E8M0 - 127) (built as float32 bits, exact) is added to the accumulator; the
+result times 2^e per row.  No weight is rounded: the result is the exact product up to the
+float32 accumulation (not bit-identical to `reference.py`, which rounds code * scale to
+bfloat16 and sums in another order).  This path runs when every scale of the program's columns
+and K split lies in [MX_F16_LO, MX_F16_HI] = [11, 200] (a scan before the K loop): there the
+reference's weights are exact in bfloat16, no scaled partial needs a float32 subnormal and the
+accumulator cannot overflow; otherwise (scale 0, 255 = NaN, or weights beyond bfloat16's range)
+the program runs the bfloat16 dequantization, the reference's weights bit for bit.
 
 `_scaled_kernel` (MXFP8 activations and weights, FP8 tensor cores): per 32-wide K chunk one
 E4M3 x E4M3 dot, its float32 partial times 2^(ex + ew) (the two E8M0 scales) added to the
@@ -364,6 +380,149 @@ def _mxfp8_tile(c, sc, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _mxfp8_kloop(acc, xrow, r_ok, wrow, srow, n_ok, k_lo, k_hi, DT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += x[:, k_lo:k_hi] @ w_DT[:, k_lo:k_hi].T, the weight tile
+    RN_DT(code * 2^(scale - 127)) (`_mxfp8_tile`) the MMA's second operand."""
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < k_hi
+        b = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        if EVEN:
+            c = tl.load(wrow + k[None, :])
+            sc = tl.load(srow + b[None, :]).to(tl.int32)
+            w = _mxfp8_tile(c, sc, BLOCK_N, BLOCK_K // 32, DT)
+            x = _operand(tl.load(xrow + k[None, :], mask=r_ok[:, None], other=0.0), DT)
+        else:
+            c = tl.load(wrow + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            sc = tl.load(srow + b[None, :], mask=n_ok[:, None] & (b < k_hi // 32)[None, :], other=127)
+            w = _mxfp8_tile(c, sc.to(tl.int32), BLOCK_N, BLOCK_K // 32, DT)
+            x = _operand(tl.load(xrow + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0), DT)
+        acc = _dot(x, w, acc, DT)
+    return acc
+
+
+@triton.jit
+def _e4m3_f16(c):
+    """E4M3 code bytes (uint8) -> their values in float16, exact (an E4M3 value has at most 4
+    significant bits in [2^-9, 448]; the NaN codes 0x7F / 0xFF give NaN): per 4 codes two
+    ``cvt.rn.f16x2.e4m3x2``.  Interpreted: the values in float32 (integer decoding)."""
+    if _INTERP:
+        return e4m3_bits_to_f32(c.to(tl.int32))
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 c01, c23; mov.b32 {c01, c23}, $2;"
+            " cvt.rn.f16x2.e4m3x2 $0, c01; cvt.rn.f16x2.e4m3x2 $1, c23; }",
+            "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _scales_within(srow, n_ok, b_lo, b_hi, LO: tl.constexpr, HI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether every E8M0 scale byte of the rows srow [BLOCK_N, 1] (n_ok) in the blocks
+    b_lo .. b_hi - 1 lies in [LO, HI] (one block-wide reduction at the end)."""
+    bad = tl.zeros([BLOCK_N, 32], dtype=tl.int32)
+    for b0 in range(b_lo, b_hi, 32):
+        b = b0 + tl.arange(0, 32)
+        e = tl.load(srow + b[None, :], mask=n_ok[:, None] & (b < b_hi)[None, :], other=LO).to(tl.int32)
+        bad = bad | (e < LO).to(tl.int32) | (e > HI).to(tl.int32)
+    return tl.max(tl.max(bad, 1), 0) == 0
+
+
+@triton.jit
+def _mxfp8_f16_kloop(acc, x16row, r_ok, wrow, srow, n_ok, k_lo, k_hi, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += sum over the 32-wide K chunks of (w16 @ x16.T) * 2^(scale - 127):
+    the codes in float16 (`_e4m3_f16`), x16 the float16 rows (pre-scaled, `_x_f16_kernel`), one
+    float16 MMA of K = 32 per chunk (float32 partial, the weight tile the first operand), the
+    partial times its column's scale (an exact power of two in the range the caller checked)
+    added to the accumulator."""
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        for c in tl.static_range(BLOCK_K // 32):
+            kc = k0 + c * 32
+            k = kc + tl.arange(0, 32)
+            if EVEN:
+                codes = tl.load(wrow + k[None, :])
+                e = tl.load(srow + kc // 32)
+                x = tl.load(x16row + k[None, :], mask=r_ok[:, None], other=0.0)
+            else:
+                k_ok = k < k_hi
+                codes = tl.load(wrow + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                e = tl.load(srow + kc // 32, mask=n_ok[:, None] & (kc < k_hi), other=127)
+                x = tl.load(x16row + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            w = _e4m3_f16(codes)
+            if _INTERP:
+                p = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                p = tl.dot(w, tl.trans(x))
+            acc += p * (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return acc
+
+
+@triton.jit
+def _exp2i(e):
+    """2^e (int32 e, -252 <= e <= 254) as two float32 factors (each a normal float32)."""
+    h = e >> 1
+    return ((h + 127) << 23).to(tl.float32, bitcast=True), ((e - h + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_f16_kernel(X, X16, XE, K, sxm, s16m, BLOCK: tl.constexpr):
+    """One row of bfloat16 x -> x16 = RN_f16(x * 2^-e) and e (int32): e = E - 14 with E the
+    exponent of the row's largest finite |x| (at least -126), so the row's largest finite
+    value lands in [2^14, 2^15) (lower for a row of bfloat16 subnormals).  Exact for every value whose scaled last significant bit is
+    at least 2^-24 (f16's subnormal step): all but values below 2^-24 x 2^(E+1-15) = 2^(E-38)
+    (less than 2^-38 of the row's largest), which round to multiples of 2^-24; inf and NaN
+    stay inf and NaN.  x is read as its bits (exact on the GPU and under the interpreter)."""
+    row = tl.program_id(0)
+    xr = X + row.to(tl.int64) * sxm
+    top = tl.zeros([BLOCK], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        u = tl.load(xr + k, mask=k < K, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+        top = tl.maximum(top, tl.where(u < 0x7F80, u, 0))  # |x| bits, inf / NaN as 0
+    e = tl.maximum((tl.max(top, 0) >> 7) - 127, -126) - 14
+    f1, f2 = _exp2i(-e)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        u = tl.load(xr + k, mask=k < K, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+        v = (u << 16).to(tl.float32, bitcast=True)  # exact, subnormals too
+        tl.store(X16 + row.to(tl.int64) * s16m + k, ((v * f1) * f2).to(tl.float16), mask=k < K)
+    tl.store(XE + row, e)
+
+
+# the E8M0 scale bytes of the float16 path: the reference's weights code * 2^(s - 127) are exact
+# in bfloat16 from s = 3 up to s = 246; from 11 every chunk partial times its scale is a float32
+# multiple of 2^-149 (no rounding beyond the accumulation's); up to 200 the accumulator stays far
+# below float32's overflow (|partial| < 32 * 2^15 * 448 < 2^29, so |acc| < 2^(s - 98) x K / 32)
+MX_F16_LO, MX_F16_HI = tl.constexpr(11), tl.constexpr(200)
+
+
+@triton.jit
+def _mxfp8_grouped_kernel(X, X16, XE, W, S, COUNTS, Y, G, M, N, K, k_per_split,
+                          sxm, s16m, swg, swn, ssg, ssn, sys, sym,
+                          OUT_F32: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """MXFP8 weight-only grouped GEMM for bfloat16 x: the float16 path (`_mxfp8_f16_kloop` on
+    X16 = x * 2^-XE per row) when every scale of the program's columns and K split lies in
+    [MX_F16_LO, MX_F16_HI], else the bfloat16 dequantization (`_mxfp8_kloop`: the reference's
+    weights, bit for bit)."""
+    g, m0, m_end, ok = _group_tile(COUNTS, G, tl.program_id(0), BLOCK_M, BLOCK_G)
+    if not ok:
+        return
+    pid_k, rows, r_ok, xrow, n, n_ok, wrow, srow, k_lo, k_hi = _tile_operands(
+        X, W, S, g, m0, m_end, N, K, k_per_split, sxm, swg, swn, ssg, ssn, BLOCK_M, BLOCK_N)
+    if _scales_within(srow, n_ok, k_lo // 32, k_hi // 32, MX_F16_LO, MX_F16_HI, BLOCK_N):
+        x16row = X16 + rows.to(tl.int64)[:, None] * s16m
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = _mxfp8_f16_kloop(acc, x16row, r_ok, wrow, srow, n_ok, k_lo, k_hi, BLOCK_K, EVEN)
+        f1, f2 = _exp2i(tl.load(XE + rows, mask=r_ok, other=0))
+        out = (tl.trans(acc) * f1[:, None]) * f2[:, None]
+    else:
+        out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        out = _mxfp8_kloop(out, xrow, r_ok, wrow, srow, n_ok, k_lo, k_hi, 1, BLOCK_N, 32, EVEN)
+    _store_tile(Y, out, pid_k, rows, r_ok, n, n_ok, sys, sym, OUT_F32)
+
+
+@triton.jit
 def _nvfp4_kloop(acc, xrow, r_ok, wrow, srow, n_ok, gs, k_lo, k_hi, j_lo, b_lo, DT: tl.constexpr, FAST: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += dequant(w[:, k_lo:k_hi]) @ x[:, k_lo:k_hi].T (NVFP4 through the
@@ -493,21 +652,7 @@ def _grouped_kernel(X, W, S, GS, COUNTS, Y, G, M, N, K, k_per_split,
             acc = _dot(x_even, w_lo, acc, DT)
             acc = _dot(x_odd, w_hi, acc, DT)
     else:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < k_hi
-            b = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            if EVEN:
-                c = tl.load(wrow + k[None, :])
-                sc = tl.load(srow + b[None, :]).to(tl.int32)
-                w = _mxfp8_tile(c, sc, BLOCK_N, BLOCK_K // 32, DT)
-                x = _operand(tl.load(xrow + k[None, :], mask=r_ok[:, None], other=0.0), DT)
-            else:
-                c = tl.load(wrow + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-                sc = tl.load(srow + b[None, :], mask=n_ok[:, None] & (b < k_hi // 32)[None, :], other=127)
-                w = _mxfp8_tile(c, sc.to(tl.int32), BLOCK_N, BLOCK_K // 32, DT)
-                x = _operand(tl.load(xrow + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0), DT)
-            acc = _dot(x, w, acc, DT)
+        acc = _mxfp8_kloop(acc, xrow, r_ok, wrow, srow, n_ok, k_lo, k_hi, DT, BLOCK_N, BLOCK_K, EVEN)
     _store_tile(Y, acc, pid_k, rows, r_ok, n, n_ok, sys, sym, OUT_F32)
 
 
@@ -579,6 +724,12 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[i]
 
 
+def _mx_f16(fmt: str, dtype: torch.dtype, block_m: int) -> bool:
+    """MXFP8 with bfloat16 x at <= 32 rows per tile: the float16 kernel (`_mxfp8_grouped_kernel`;
+    at 64-row tiles its per-chunk accumulator updates cost more than the bfloat16 dequantization)."""
+    return fmt == "mxfp8" and dtype == torch.bfloat16 and block_m <= 32
+
+
 def grouped_config(M: int, N: int, K: int, G: int, fmt: str, device: torch.device,
                    dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
     """Tiles for `grouped_mm_triton`: BLOCK_M from the mean rows per group (16 at decode); at
@@ -589,7 +740,12 @@ def grouped_config(M: int, N: int, K: int, G: int, fmt: str, device: torch.devic
     rows = max(1, M // active)
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
     byte_table = fmt == "nvfp4" and dtype != torch.float32
-    if byte_table:
+    if _mx_f16(fmt, dtype, bm):
+        # the float16 MXFP8 kernel: the weight tile the mma.sync's first operand needs fewer than 4
+        # warps (4 take the wgmma path and its operand shuffles: docs/packed.md); small CTAs, so
+        # split-K aims at about four per SM
+        bn, bk, warps, stages = 64, 256, 2, 3
+    elif byte_table:
         # decode (<= 16 rows per group): 64 x 256 weight tiles, 3 stages (the fastest of the sweep in
         # benchmarks/packed_gemm.py --decode-ab); larger: 128-wide tiles at 2 stages (3 stages of
         # 128 x 256 need 233 KB of shared memory, over the H100's 227 KB)
@@ -602,7 +758,7 @@ def grouped_config(M: int, N: int, K: int, G: int, fmt: str, device: torch.devic
     programs = (triton.cdiv(M, bm) + active if bm > 16 else active) * triton.cdiv(N, bn)
     split = 1
     steps = triton.cdiv(K, bk)
-    while programs * split <= _sm_count(device) and split * 4 <= steps:
+    while programs * split <= _sm_count(device) * (2 if _mx_f16(fmt, dtype, bm) else 1) and split * 4 <= steps:
         split *= 2
     return GemmConfig(bm, bn, bk, split, warps, stages)
 
@@ -634,6 +790,21 @@ def grouped_mm_triton(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tenso
                 y.stride(1), DT=_DT[x.dtype], OUT_F32=out_f32, EVEN_K=K % k_per_split == 0 and k_per_split % bk == 0,
                 EVEN_N=N % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=bk, BLOCK_G=max(2, _pow2(G)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        if not out_f32:
+            return y[0]
+        return (y.sum(0) if split > 1 else y[0]).to(x.dtype)
+    if _mx_f16(fmt, x.dtype, cfg.block_m):
+        x16 = torch.empty((M, K), dtype=torch.float16, device=x.device)
+        xe = torch.empty(M, dtype=torch.int32, device=x.device)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _x_f16_kernel[(M,)](x, x16, xe, K, x.stride(0), x16.stride(0), BLOCK=min(2048, _pow2(K)), num_warps=4)
+            _mxfp8_grouped_kernel[grid](
+                x, x16, xe, _u8(weight), _u8(scales), counts, y, G, M, N, K, k_per_split,
+                x.stride(0), x16.stride(0), weight.stride(0), weight.stride(1), scales.stride(0), scales.stride(1),
+                y.stride(0), y.stride(1), OUT_F32=out_f32, EVEN=K % k_per_split == 0 and N % cfg.block_n == 0,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, BLOCK_G=max(2, _pow2(G)),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         if not out_f32:
             return y[0]
