@@ -1,5 +1,6 @@
 # build the Qwen folder from the staged GGUF; the 2,048-key index warm-up at 32K rows (KL over all
-# END (default 560): seconds after the build starts by which stage 2 ends
+# END (default 560): seconds after the build starts by which stage 2 ends; WARM (default 300): the
+# warm-up's seconds; S2=0 skips stage 2
 # tokens, q/k init); stage 2 (LoRA 16, LM + KL) from it with the 2K check
 export PYTHONUNBUFFERED=1
 mkdir -p ~/stage ~/site ~/qwork/downloads
@@ -39,25 +40,27 @@ echo "build done at $(( $(date +%s) - t0 ))s"
 python tools/essay_documents.py --out ~/qwork/essays   # another corpus for stage 2's short-context check
 wait $klpid && KL=all || KL=selected
 echo "KL check: warm-up KL over $KL tokens"; cat $OUT/kl_all_check.log | tail -9
-timeout 330 python -m msakit convert ~/qwork/qwen --out ~/qwork/w128 --train index --index-init qk --init-blocks 1 \
+timeout $(( ${WARM:-300} + 30 )) python -m msakit convert ~/qwork/qwen --out ~/qwork/w128 --train index --index-init qk --init-blocks 1 \
   --kl-tokens $KL --block-size 128 --topk 16 --context 32768 --long-min-tokens 4096 --batch-size 1 \
-  --max-tokens 10000000 --eval-rows 2 --time-budget 300 --index-lr 1e-3 --device cuda --dtype bfloat16 \
+  --max-tokens 10000000 --eval-rows 2 --time-budget ${WARM:-300} --index-lr 1e-3 --device cuda --dtype bfloat16 \
   --no-progress --log-every 10 > $OUT/warm128.log 2>&1
 echo "warm-up rc $? at $(( $(date +%s) - t0 ))s"; grep -v "Loading weights" $OUT/warm128.log | tail -12
 cp ~/qwork/w128/metrics.jsonl $OUT/warm128_metrics.jsonl 2>/dev/null
+if [ "${S2:-1}" = 1 ]; then
 left=$(( ${END:-560} - ($(date +%s) - t0) ))
 echo "stage 2 gets ${left}s"
-S2="python -m msakit convert $HOME/qwork/w128/model --train all --warmup-steps 0 --kl-coef 1 --lora 16 --lora-alpha 32 \
+S2CMD="python -m msakit convert $HOME/qwork/w128/model --train all --warmup-steps 0 --kl-coef 1 --lora 16 --lora-alpha 32 \
   --lr 1e-4 --index-lr 1e-3 --init-blocks 1 --batch-size 1 --dtype bfloat16 --activation-checkpointing \
   --long-min-tokens 4096 --short-context 2048 --short-context-data $HOME/qwork/essays --eval-rows 2 --device cuda --no-progress --log-every 10"
-timeout $left $S2 --context 32768 --max-tokens 3000000 --time-budget $(( left - 30 )) --out ~/qwork/s2 > $OUT/stage2.log 2>&1
+timeout $left $S2CMD --context 32768 --max-tokens 3000000 --time-budget $(( left - 30 )) --out ~/qwork/s2 > $OUT/stage2.log 2>&1
 rc=$?
 if [ $rc -ne 0 ] && grep -q "out of memory\|OutOfMemory\|--batch-size" $OUT/stage2.log; then
   echo "stage 2 at 32K failed (rc $rc): 16K rows"; rm -rf ~/qwork/s2
   left=$(( ${END:-560} + 20 - ($(date +%s) - t0) ))
-  timeout $left $S2 --context 16384 --max-tokens 3000000 --time-budget $(( left - 25 )) --out ~/qwork/s2 > $OUT/stage2_16k.log 2>&1
+  timeout $left $S2CMD --context 16384 --max-tokens 3000000 --time-budget $(( left - 25 )) --out ~/qwork/s2 > $OUT/stage2_16k.log 2>&1
   rc=$?
 fi
 echo "stage 2 rc $rc at $(( $(date +%s) - t0 ))s"; grep -v "Loading weights" $OUT/stage2*.log | tail -14
 cp ~/qwork/s2/metrics.jsonl $OUT/stage2_metrics.jsonl 2>/dev/null
-ls ~/qwork/w128/model ~/qwork/s2/model
+fi
+ls ~/qwork/w128/model; [ -d ~/qwork/s2 ] && ls ~/qwork/s2/model
