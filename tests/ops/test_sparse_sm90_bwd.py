@@ -168,6 +168,32 @@ def test_bwd_algorithm_equals_reference_autograd(T):
     assert (dq[:, T // 3] == 0).all()
 
 
+def test_gpu_diag_reference_and_votes():
+    """tools/bench/sparse_sm90_bwd.py --diag: its float64 replay of hand-made items equals the
+    emulation above, and its offset vote names an r / c0 swap of the P^T fragment."""
+    from tools.bench import sparse_sm90_bwd as bench
+
+    gen = torch.Generator().manual_seed(3)
+    B, G, T, D = 1, 2, 259, 128
+    q, k, v, do = (torch.randn(B, T, n, D, generator=gen).bfloat16() for n in (32, G, G, 32))
+    lse2 = 8.0 + torch.randn(B, T, 32, generator=gen)
+    delta = 4.0 * torch.randn(B, T, 32, generator=gen)
+    items = torch.tensor([[1, 0, 0, 1], [1, 2, 1, 1], [0, 1, 2, 2]], dtype=torch.int32)
+    ent = torch.tensor([(32 << MB_BITS) | 15, (64 << MB_BITS) | 7, (40 << MB_BITS) | 11, (41 << MB_BITS) | 15],
+                       dtype=torch.int32)
+    scale = 1.0 / math.sqrt(D)
+    dq, dk, dv, (pt, _) = bench._diag_reference(q, k, v, do, lse2, delta, items, ent, scale / math.log(2.0))
+    lse = lse2.transpose(1, 2) * math.log(2.0)
+    edq, edk, edv = emulate_bwd(do, q, k, v, lse, delta.double(), items, ent, 128, scale)
+    for got, want in ((dq * scale, edq), (dk * scale, edk), (dv, edv)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # lse2 -> lse: fp32 rounding
+    ptb = pt.bfloat16().double()
+    assert bench._votes(ptb, ptb) == "exact"
+    swapped = ptb.view(8, 2, 8, 32, 2).permute(0, 4, 2, 3, 1).reshape(128, 64)  # key bit 3 <-> row bit 0
+    msg = bench._votes(swapped, ptb)
+    assert "(8,-1)" in msg and "(-8,1)" in msg, msg
+
+
 def test_bwd_unsupported_reason():
     q = torch.zeros(1, 8, 64, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 8, 4, 128, dtype=torch.bfloat16)

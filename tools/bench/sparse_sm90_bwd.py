@@ -5,6 +5,8 @@ reference's autograd and against msakit's Triton KV-outer backward, in the same 
     OUT=out python tools/bench/sparse_sm90_bwd.py --quick       # small checks + 16K only (< 3 min)
     python tools/bench/sparse_sm90_bwd.py --compile-only DIR    # no GPU, no torch: PTX + cubin in DIR,
                                                                 # registers / stack frame (spills)
+    OUT=out python tools/bench/sparse_sm90_bwd.py --diag-only   # layout / pipeline diagnostics (< 1 min)
+    OUT=out python tools/bench/sparse_sm90_bwd.py --diag --quick  # diagnostics, then the quick run
 
 CuTe DSL wheels installed with `pip install --target ~/site` are found: ~/site is added to
 sys.path (site.addsitedir) before `cutlass` is imported.
@@ -238,6 +240,289 @@ def bench(Ts, device, timeout_s: int = 300) -> list[dict]:
     return out
 
 
+
+# ---------------------------------------------------------------------------------------------- --diag
+# One GPU call that localises a layout / pipeline error of the kernel: hand-made work lists (one
+# item of one m-block, causal + mask bits, 32 m-blocks over three items, the ragged tail), the
+# kernel launched directly (`sm90._launch_bwd`: own lse2 and delta, distinct per row), the raw
+# accumulators (dK without the softmax scale) against a float64 torch replay of the same items;
+# relative L2 error per group of the MMA fragment coordinates (key half = consumer warpgroup,
+# warp = 16-key slab, r = +8 row of the accumulator, v = 8-column chunk, c0 = column parity,
+# qi = query of the m-block) and three one-hot probes that read an intermediate out exactly:
+# dO[row, d] = [d == row] gives dV[key, row] = P^T (bf16), Q[row, d < 64] = [d == row] gives
+# dK[key, row] = dS^T, K[key, d] = [d == key] gives dQ[row, key] = dS.  A wrong entry of a probe
+# is matched to the reference entries of equal value: the most common (dkey, drow) offsets name
+# the permutation (e.g. (+8, -1) / (-8, +1): r and c0 swapped).
+
+DIAG_T, DIAG_G = 259, 2  # ragged: a partial last key block (keys 256..258) and m-block (query 259)
+DIAG_HANG_S = 30  # the first launch compiles (outside this wait); a launch of < 300 tiles takes ms
+
+
+class DiagHang(Exception):
+    pass
+
+
+def _diag_reference(q, k, v, do, lse2, delta, items, ent, scale_log2: float):
+    """float64 replay of the kernel over (items, ent): (dq, dk, dv) without the softmax scale
+    ([B, T, Hq, D], [B, T, G, D] x 2) and (P^T, dS^T) [128 keys, 64 rows] of the first entry."""
+    import torch
+
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    f, dev = torch.float64, q.device
+    dq = torch.zeros(B, T, Hq, D, dtype=f, device=dev)
+    dk = torch.zeros(B, T, G, D, dtype=f, device=dev)
+    dv = torch.zeros(B, T, G, D, dtype=f, device=dev)
+    rows = torch.arange(64, device=dev)
+    first = None
+    for bg, blk, start, n in items.tolist():
+        b, g = bg // G, bg % G
+        keys = torch.arange(blk * 128, blk * 128 + 128, device=dev)
+        inb = keys < T
+        kk = torch.zeros(128, D, dtype=f, device=dev)
+        vv = torch.zeros(128, D, dtype=f, device=dev)
+        kk[inb], vv[inb] = k[b, keys[inb], g].double(), v[b, keys[inb], g].double()
+        dkb, dvb = torch.zeros_like(kk), torch.zeros_like(vv)
+        for e in ent[start:start + n].tolist():
+            mb, mask = e >> 4, e & 15
+            t = mb * 4 + rows // 16
+            h = g * 16 + rows % 16
+            ok_t = t < T
+            tc = t.clamp(max=T - 1)
+            qm = q[b, tc, h].double() * ok_t[:, None]
+            dom = do[b, tc, h].double() * ok_t[:, None]
+            l2 = lse2[b, tc, h].double() * ok_t
+            dl = delta[b, tc, h].double() * ok_t
+            st = kk @ qm.T
+            ok = ((mask >> (rows // 16)) & 1).bool()[None, :] & (keys[:, None] <= t[None, :])
+            pt = torch.where(ok, torch.exp2(st * scale_log2 - l2[None, :]), torch.zeros_like(st))
+            dst = pt * (vv @ dom.T - dl[None, :])
+            dvb += pt @ dom
+            dkb += dst @ qm
+            dq[b, t[ok_t], h[ok_t]] += (dst.T @ kk)[ok_t]
+            if first is None:
+                first = (pt, dst)
+        dk[b, keys[inb], g] += dkb[inb]
+        dv[b, keys[inb], g] += dvb[inb]
+    return dq, dk, dv, first
+
+
+def _diag_launch(q, k, v, do, lse2, delta, items, ent, scale: float):
+    """The kernel on hand-made (items, ent): raw (dq, dk, dv) fp32 (dq, dk without the scale)."""
+    import torch
+
+    from msakit.ops.sparse_attention import sm90
+    from msakit.ops.sparse_attention.sm90.worklist_bwd import dq_from_accum, mblock_count
+
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    nmb = mblock_count(T)
+    dq_acc = torch.zeros(B * G * nmb * 16 * 4 * D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, T, G, D, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    sm90._launch_bwd(q, k, v, do, lse2, delta, dq_acc, dk, dv, items, ent, scale)
+    done = torch.cuda.Event()
+    done.record()
+    t0 = time.time()
+    while not done.query():  # a deadlocked kernel: say which case, not the device call's timeout
+        if time.time() - t0 > DIAG_HANG_S:
+            raise DiagHang(f"kernel not done after {DIAG_HANG_S} s")
+        time.sleep(0.005)
+    return dq_from_accum(dq_acc.view(B, G, nmb, 2, 64, 64), B, G, T, 16, D), dk, dv
+
+
+def _group_errs(got, want, axis_labels: dict) -> str:
+    """'name e0 e1 ..' per labelling: relative L2 error of got vs want [..., M, N] over the
+    entries whose label (along axis -2 for 'm:' names, -1 for 'n:' names) is each value."""
+    out = []
+    for name, lab in axis_labels.items():
+        ax = -2 if name.startswith("m:") else -1
+        errs = []
+        for val in range(int(lab.max()) + 1):
+            sel = (lab == val)
+            gg, ww = got.index_select(ax, sel.nonzero()[:, 0]), want.index_select(ax, sel.nonzero()[:, 0])
+            errs.append(float((gg - ww).norm() / ww.norm().clamp(min=1e-30)))
+        out.append(name[2:] + " " + " ".join(f"{x:.0e}" for x in errs))
+    return "; ".join(out)
+
+
+def _kv_tiles(x, items, G, T):
+    """[I, 128, D] tiles (keys past T zero) of x [B, T, G, D] at each distinct item's (b, g, blk)."""
+    import torch
+
+    tiles = []
+    for bg, blk in sorted({(r[0], r[1]) for r in items.tolist()}):
+        t = torch.zeros(128, x.shape[-1], dtype=x.dtype, device=x.device)
+        n = min(128, T - blk * 128)
+        t[:n] = x[bg // G, blk * 128:blk * 128 + n, bg % G]
+        tiles.append(t)
+    return torch.stack(tiles)
+
+
+def _q_tiles(x, items, ent, G, T):
+    """[J, 64, D] m-block tiles (rows query-in-m-block * 16 + head; past T zero) of x [B, T, Hq, D]
+    at each distinct (b, g, mb) of the work list."""
+    import torch
+
+    keys = set()
+    for bg, blk, start, n in items.tolist():
+        for e in ent[start:start + n].tolist():
+            keys.add((bg, e >> 4))
+    rows = torch.arange(64, device=x.device)
+    tiles = []
+    for bg, mb in sorted(keys):
+        t, h = mb * 4 + rows // 16, (bg % G) * 16 + rows % 16
+        ok = t < T
+        tile = torch.zeros(64, x.shape[-1], dtype=x.dtype, device=x.device)
+        tile[ok] = x[bg // G, t[ok], h[ok]]
+        tiles.append(tile)
+    return torch.stack(tiles)
+
+
+def _outside(err_all, err_tiles) -> float:
+    """L2 norm of the error outside the work list's tiles (writes where none belong)."""
+    return max(0.0, float(err_all.norm()) ** 2 - float(err_tiles.norm()) ** 2) ** 0.5
+
+
+def _votes(got, want, rel_tol: float = 2e-2) -> str:
+    """Agreement of a probe's got vs want [M, N] (bf16-exact values); for the wrong entries the
+    most common (dm, dn) from each to the reference entries of equal value (bf16 ulp)."""
+    import torch
+
+    scale = float(want.abs().max())
+    bad = (got - want).abs() > rel_tol * want.abs() + 1e-3 * scale
+    nbad = int(bad.sum())
+    if nbad == 0:
+        return "exact"
+    M, N = want.shape
+    zero = int(((got == 0) & bad).sum())
+    wv, gv = want.flatten(), got.flatten()
+    order = wv.argsort()
+    ws = wv[order]
+    p = bad.flatten().nonzero()[:, 0]
+    g = gv[p]
+    tol = g.abs() * 2.0 ** -8 + 1e-12 * scale
+    lo = torch.searchsorted(ws, g - tol)
+    hi = torch.searchsorted(ws, g + tol, right=True)
+    cnt = (hi - lo).clamp(max=64)
+    keep = cnt > 0
+    p, lo, cnt = p[keep], lo[keep], cnt[keep]
+    if p.numel() == 0:
+        return f"{nbad}/{M * N} wrong ({zero} zero), no equal values in the reference"
+    rep = torch.repeat_interleave(torch.arange(p.numel(), device=p.device), cnt)
+    off = torch.arange(rep.numel(), device=p.device) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+    qpos = order[lo[rep] + off]
+    pp = p[rep]
+    dm, dn = qpos // N - pp // N, qpos % N - pp % N
+    pairs, counts = torch.unique(torch.stack([dm, dn], 1), dim=0, return_counts=True)
+    top = counts.argsort(descending=True)[:4]
+    modes = " ".join(f"({int(pairs[i, 0])},{int(pairs[i, 1])}):{float(counts[i]) / p.numel():.2f}" for i in top)
+    return f"{nbad}/{M * N} wrong ({zero} zero); offsets to equal reference values {modes}"
+
+
+def run_diag(device, res: list | None = None) -> list[dict]:
+    """The --diag cases (module comment above); prints one compact block per case (the groups'
+    errors only where a result is wrong), rows appended to res (kept when a launch hangs)."""
+    import torch
+
+    D, hpg, G, T, B = 128, 16, DIAG_G, DIAG_T, 1
+    Hq = G * hpg
+    scale = 1.0 / math.sqrt(D)
+    sl2 = scale * 1.4426950408889634
+    i32 = dict(dtype=torch.int32, device=device)
+    full = [(mb << 4) | 15 for mb in range(32, 64)]
+    cases = {
+        "A one m-block (g 1, blk 0, queries 128-131, every key)": ([[1, 0, 0, 1]], [(32 << 4) | 15]),
+        "B causal + mask 1011 (g 1, blk 1, queries 160-163)": ([[1, 1, 0, 1]], [(40 << 4) | 0b1011]),
+        "C ragged (g 1, blk 2: keys 256-258, queries 256-259 mask 0111)": ([[1, 2, 0, 1]], [(64 << 4) | 0b0111]),
+        "D 3 items x 32 m-blocks (g 0/1 blk 0, g 1 blk 1: stages, dQ reduce adds)":
+            ([[0, 0, 0, 32], [1, 0, 32, 32], [1, 1, 64, 32]], full * 3),
+    }
+    gen = torch.Generator(device=device).manual_seed(7)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * s)
+
+    base = dict(q=rnd(B, T, Hq, D).bfloat16(), k=rnd(B, T, G, D).bfloat16(), v=rnd(B, T, G, D).bfloat16(),
+                do=rnd(B, T, Hq, D).bfloat16(), lse2=(8.0 + rnd(B, T, Hq)).contiguous(),
+                delta=rnd(B, T, Hq, s=4.0).contiguous())
+    key_lab = torch.arange(128, device=device)
+    row_lab = torch.arange(64, device=device)
+    d_lab = torch.arange(D, device=device)
+    kv_groups = {"m:keyhalf": key_lab // 64, "m:warp": (key_lab % 64) // 16, "m:r": (key_lab % 16) // 8,
+                 "n:dhalf": d_lab // 64, "n:v": (d_lab % 64) // 8, "n:c0": d_lab % 2}
+    q_groups = {"m:qi": row_lab // 16, "m:r": (row_lab % 16) // 8,  # warp w of a warpgroup holds rows of query w
+                "n:dhalf": d_lab // 64, "n:v": (d_lab % 64) // 8, "n:c0": d_lab % 2}
+    res = [] if res is None else res
+
+    def one(name, t, items_l, ent_l, probe=None):
+        items, ent = torch.tensor(items_l, **i32), torch.tensor(ent_l, **i32)
+        row = {"diag": name}
+        try:
+            got = _diag_launch(t["q"], t["k"], t["v"], t["do"], t["lse2"], t["delta"], items, ent, scale)
+            want_dq, want_dk, want_dv, first = _diag_reference(t["q"], t["k"], t["v"], t["do"], t["lse2"],
+                                                               t["delta"], items, ent, sl2)
+            lines = [f"== {name}"]
+            for nm, g_, w_ in (("dV", got[2], want_dv), ("dK", got[1], want_dk)):
+                gt, wt = _kv_tiles(g_.double(), items, G, T), _kv_tiles(w_, items, G, T)
+                row[f"{nm}_rel"] = rel = float((gt - wt).norm() / wt.norm().clamp(min=1e-30))
+                row[f"{nm}_finite"] = fin = bool(torch.isfinite(g_).all())
+                outside = _outside(g_.double() - w_, gt - wt)
+                lines.append(f"  {nm} rel {rel:.1e} finite {fin} outside {outside:.1e}"
+                             + (" | " + _group_errs(gt, wt, kv_groups) if rel >= 2e-2 else ""))
+            gq, wq = _q_tiles(got[0].double(), items, ent, G, T), _q_tiles(want_dq, items, ent, G, T)
+            row["dQ_rel"] = rel = float((gq - wq).norm() / wq.norm().clamp(min=1e-30))
+            row["dQ_finite"] = fin = bool(torch.isfinite(got[0]).all())
+            outside = _outside(got[0].double() - want_dq, gq - wq)
+            lines.append(f"  dQ rel {rel:.1e} finite {fin} outside {outside:.1e}"
+                         + (" | " + _group_errs(gq, wq, q_groups) if rel >= 2e-2 else ""))
+            if probe is not None:
+                pt, dst = first
+                bg, blk = items_l[0][0], items_l[0][1]
+                b, g = bg // G, bg % G
+                if probe == "P":  # dV[key, row] = P^T (bf16)
+                    gp = got[2][b, blk * 128:blk * 128 + 128, g, :64].double()
+                    wp = pt.to(torch.bfloat16).double()
+                elif probe == "dS_dK":  # dK[key, row] = dS^T (bf16)
+                    gp = got[1][b, blk * 128:blk * 128 + 128, g, :64].double()
+                    wp = dst.to(torch.bfloat16).double()
+                else:  # dQ[row, key] = dS (bf16), as [key, row]
+                    gp = _q_tiles(got[0].double(), items, ent, G, T)[0].T
+                    wp = dst.to(torch.bfloat16).double()
+                row["probe"] = _votes(gp, wp)
+                lines.append(f"  probe {probe} ({'key x row'}): {row['probe']}")
+            row["ok"] = all(row[f"{x}_rel"] < 2e-2 and row[f"{x}_finite"] for x in ("dV", "dK", "dQ"))
+            print("\n".join(lines), flush=True)
+        except Exception as ex:
+            row["error"] = f"{type(ex).__name__}: {ex}"[:1000]
+            row["ok"] = False
+            print(f"== {name}: ERROR {row['error']}", flush=True)
+            if isinstance(ex, DiagHang):
+                res.append(row)
+                raise
+        res.append(row)
+
+    for name, (it, en) in cases.items():
+        one(name, base, it, en)
+    # one-hot probes on case A's item (b 0, g 1, blk 0, m-block 32): rows of the m-block
+    it, en = cases[next(iter(cases))]
+    rows = torch.arange(64, device=device)
+    t_rows, h_rows = 32 * 4 + rows // 16, 16 + rows % 16
+    eye = torch.eye(64, D, device=device)
+    p = {**base, "do": base["do"].clone()}
+    p["do"][0, t_rows, h_rows] = eye.bfloat16()
+    one("probe P: dO one-hot -> dV = P^T", p, it, en, probe="P")
+    p = {**base, "q": base["q"].clone()}
+    qr = p["q"][0, t_rows, h_rows]
+    qr[:, :64] = eye[:, :64].bfloat16()
+    p["q"][0, t_rows, h_rows] = qr
+    one("probe dS via dK: Q[:, :64] one-hot -> dK = dS^T", p, it, en, probe="dS_dK")
+    p = {**base, "k": base["k"].clone()}
+    p["k"][0, :128, 1] = torch.eye(128, D, device=device).bfloat16()
+    one("probe dS via dQ: K one-hot -> dQ = dS", p, it, en, probe="dS_dQ")
+    return res
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", metavar="DIR", help="compile for sm_90a into DIR and stop (no GPU, no torch)")
@@ -245,6 +530,9 @@ def main(argv=None) -> None:
     ap.add_argument("--T", type=int, nargs="+", default=None, help="benchmark lengths (default 16K 128K)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--stages", type=int, default=None, help="Q / dO pipeline stages (default: sm90.CONFIG_BWD)")
+    ap.add_argument("--diag", action="store_true", help="first the layout / pipeline diagnostics (hand-made work "
+                    "lists, per-fragment-group errors, one-hot probes; < 1 min), then the rest")
+    ap.add_argument("--diag-only", action="store_true", help="the diagnostics only")
     args = ap.parse_args(argv)
     if args.compile_only:
         print(json.dumps(compile_only(args.compile_only), indent=1))
@@ -275,6 +563,21 @@ def main(argv=None) -> None:
         rep["error"] = f"kernel import: {type(ex).__name__}: {ex}"
         save()
         raise
+    if args.diag or args.diag_only:
+        rep["diag"] = []
+        try:
+            rep["diag"] = run_diag(dev, rep["diag"])
+        except DiagHang:  # the context is stuck: record and leave without waiting for the device
+            rep["diag_ok"] = False
+            save()
+            print("diag: kernel hang; json:", path, flush=True)
+            os._exit(3)
+        rep["diag_ok"] = all(r["ok"] for r in rep["diag"])
+        print("diag ok:", rep["diag_ok"], flush=True)
+        save()
+        if args.diag_only:
+            print("json:", path)
+            return
     t0 = time.time()
     if not args.skip_checks:
         rep["checks"] = run_checks(dev, args.quick)
