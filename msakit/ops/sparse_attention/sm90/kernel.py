@@ -351,28 +351,37 @@ class SparseFwdSm90:
                         mLSE[b, h, t] = lse
 
 
-def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: int = 2, stages: int = 2) -> dict:
-    """Compile the kernel for `arch` against fake tensors (dynamic shapes and strides, as the host
-    wrapper's from_dlpack tensors have): no GPU or torch needed.  With dump_dir, the PTX and cubin
-    go there.  Returns {"seconds", "files": {name: bytes}}."""
+def fake_tensor(dtype, rank: int):
+    """A fake tensor of `rank` dynamic dimensions (innermost stride 1), as the host wrappers'
+    from_dlpack tensors are: the offline compilations' arguments."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = tuple(cute.sym_int() for _ in range(rank))
+    stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
+    return make_fake_tensor(dtype, shape, stride, assumed_align=16 if dtype is cutlass.BFloat16 else 4)
+
+
+def compile_offline(op, args: list, scale: float, dump_dir: str | None, arch: str) -> dict:
+    """cute.compile(op, *args, scale, stream) for `arch` (no GPU or torch needed); with dump_dir,
+    the PTX and cubin go there.  Returns {"seconds", "files": {name: bytes}}."""
     import glob
     import os
     import time
 
-    from cutlass.cute.runtime import make_fake_tensor
-
-    def fake(dtype, rank):
-        shape = tuple(cute.sym_int() for _ in range(rank))
-        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dtype, shape, stride, assumed_align=16 if dtype is cutlass.BFloat16 else 4)
-
-    bf16 = cutlass.BFloat16
-    args = [fake(bf16, 4) for _ in range(4)] + [fake(Float32, 3), fake(Int32, 4), fake(Int32, 3)]
     opts = f"--gpu-arch {arch}"
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     t0 = time.time()
-    cute.compile(SparseFwdSm90(consumers, stages), *args, Float32(0.0884), cuda.CUstream(0), options=opts)
+    cute.compile(op, *args, Float32(scale), cuda.CUstream(0), options=opts)
     files = sorted(glob.glob(os.path.join(dump_dir, "*"))) if dump_dir else []
     return {"seconds": time.time() - t0, "files": {os.path.basename(f): os.path.getsize(f) for f in files}}
+
+
+def compile_check(dump_dir: str | None = None, arch: str = "sm_90a", consumers: int = 2, stages: int = 2) -> dict:
+    """Compile the kernel for `arch` against fake tensors: no GPU or torch needed.  With dump_dir,
+    the PTX and cubin go there.  Returns {"seconds", "files": {name: bytes}}."""
+    bf16 = cutlass.BFloat16
+    args = [fake_tensor(bf16, 4) for _ in range(4)] + [fake_tensor(Float32, 3), fake_tensor(Int32, 4),
+                                                       fake_tensor(Int32, 3)]
+    return compile_offline(SparseFwdSm90(consumers, stages), args, 0.0884, dump_dir, arch)

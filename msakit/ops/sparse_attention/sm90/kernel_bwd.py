@@ -382,28 +382,12 @@ class SparseBwdSm90:
 
 
 def compile_check_bwd(dump_dir: str | None = None, arch: str = "sm_90a", stages: int = 2) -> dict:
-    """Compile the kernel for `arch` against fake tensors (dynamic shapes and strides, as the host
-    wrapper's from_dlpack tensors have): no GPU or torch needed.  With dump_dir, the PTX and cubin
-    go there.  Returns {"seconds", "files": {name: bytes}}."""
-    import glob
-    import os
-    import time
-
-    from cutlass.cute.runtime import make_fake_tensor
-
-    def fake(dtype, rank):
-        shape = tuple(cute.sym_int() for _ in range(rank))
-        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dtype, shape, stride, assumed_align=16 if dtype is cutlass.BFloat16 else 4)
+    """Compile the kernel for `arch` against fake tensors: no GPU or torch needed.  With dump_dir,
+    the PTX and cubin go there.  Returns {"seconds", "files": {name: bytes}}."""
+    from .kernel import compile_offline, fake_tensor
 
     bf16 = cutlass.BFloat16
-    args = ([fake(bf16, 4) for _ in range(4)] + [fake(Float32, 3), fake(Float32, 3), fake(Float32, 1)]
-            + [fake(Float32, 4), fake(Float32, 4), fake(Int32, 2), fake(Int32, 1)])
-    opts = f"--gpu-arch {arch}"
-    if dump_dir:
-        os.makedirs(dump_dir, exist_ok=True)
-        opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
-    t0 = time.time()
-    cute.compile(SparseBwdSm90(stages), *args, Float32(0.0884 * LOG2E), cuda.CUstream(0), options=opts)
-    files = sorted(glob.glob(os.path.join(dump_dir, "*"))) if dump_dir else []
-    return {"seconds": time.time() - t0, "files": {os.path.basename(f): os.path.getsize(f) for f in files}}
+    args = ([fake_tensor(bf16, 4) for _ in range(4)] + [fake_tensor(Float32, 3), fake_tensor(Float32, 3),
+            fake_tensor(Float32, 1)] + [fake_tensor(Float32, 4), fake_tensor(Float32, 4), fake_tensor(Int32, 2),
+            fake_tensor(Int32, 1)])
+    return compile_offline(SparseBwdSm90(stages), args, 0.0884 * LOG2E, dump_dir, arch)
